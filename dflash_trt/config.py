@@ -1,0 +1,259 @@
+"""Configs: sampling parameters and the drafter checkpoint config (z-lab DFlash layout).
+
+Each config is a dataclass validated in __post_init__; errors name the field and the fix.
+DrafterConfig reads and writes config.json exactly in the layout of the published z-lab
+DFlash checkpoints (architectures ["DFlashDraftModel"], block_size, dflash_config
+{mask_token_id, target_layer_ids}, num_target_layers, Qwen3-style shape fields), and keeps
+fields it does not use so that a round trip loses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_trt.errors import CheckpointError, ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """How tokens are chosen. temperature 0 means greedy (and exact output equality)."""
+
+    temperature: float = 0.0  # 0 = greedy; > 0 = sampling with lossless rejection sampling
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus mass in (0, 1] (1 = off)
+    max_new_tokens: int = 128  # generated tokens per prompt, stop tokens included
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (EOS is added by the loop)
+    seed: int | None = None  # seeds the sampler; same seed, same output
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0 disables top-k)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1] (1 disables top-p)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """Tap layers spread evenly: round(1 + i*(L-4)/(n-1)) as in the DFlash paper, clamped for tiny L."""
+    L = num_target_layers
+    if num_taps < 1:
+        raise ConfigError(f"num_taps={num_taps}: must be >= 1")
+    if num_taps == 1:
+        return [min(1, L - 1)]
+    if L < 4:
+        return sorted({min(L - 1, i * (L - 1) // (num_taps - 1)) for i in range(num_taps)})
+    return [int(round(1 + i * (L - 4) / (num_taps - 1))) for i in range(num_taps)]
+
+
+# Fields we interpret; everything else in config.json is kept in `extra` and written back.
+_KNOWN = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "max_position_embeddings", "hidden_act", "attention_bias",
+    "block_size", "num_target_layers", "dflash_config", "architectures", "model_type",
+    "torch_dtype", "dtype", "rope_parameters", "tie_word_embeddings",
+}
+
+
+@dataclass
+class DrafterConfig:
+    """Shape and DFlash settings of a drafter checkpoint."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int  # drafter layers (1-8, typically 5)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int  # decoder layers of the target this drafter was made for
+    target_layer_ids: list[int]  # target layers whose outputs are fused into the context feature
+    mask_token_id: int  # token that fills the B-1 not-yet-drafted block slots
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    dtype: str = "bfloat16"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size={self.block_size}: must be >= 2 (a block is the last token plus >= 1 draft)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not self.target_layer_ids:
+            raise ConfigError("dflash_config.target_layer_ids is empty: list the target layers to tap")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ConfigError(f"dflash_config.target_layer_ids {bad} outside 0..{self.num_target_layers - 1} "
+                              f"(num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"dflash_config.mask_token_id={self.mask_token_id}: must be a token id "
+                              f"in 0..{self.vocab_size - 1}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act={self.hidden_act!r}: only 'silu' drafters are supported")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
+                   target_layer_ids: list[int] | None = None, num_taps: int = 5,
+                   mask_token_id: int | None = None) -> "DrafterConfig":
+        """Config of a new drafter for a Hugging Face target config (Qwen2/Qwen3/Llama)."""
+        tc = target_config
+        L = tc.num_hidden_layers
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        if mask_token_id is None:
+            mask_token_id = pick_mask_token_id(tc)
+        rope_theta, rope_scaling = _rope_of(tc)
+        return cls(
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=tc.num_key_value_heads, head_dim=head_dim, vocab_size=tc.vocab_size,
+            num_target_layers=L,
+            target_layer_ids=target_layer_ids if target_layer_ids is not None else default_target_layer_ids(L, min(num_taps, L)),
+            mask_token_id=mask_token_id, block_size=block_size, rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=tc.max_position_embeddings,
+        )
+
+    # ---- z-lab config.json --------------------------------------------------------------
+    def to_json_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {**d.get("dflash_config", {}), "mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+        })
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "DrafterConfig":
+        dc = d.get("dflash_config") or {}
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if k not in d]
+        if "mask_token_id" not in dc:
+            missing.append("dflash_config.mask_token_id")
+        if missing:
+            raise CheckpointError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter checkpoint?")
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        rope_scaling = d.get("rope_scaling")
+        rp = d.get("rope_parameters") or {}
+        if rope_scaling is None and rp.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        n_layers = d["num_hidden_layers"]
+        num_target_layers = d.get("num_target_layers")
+        if num_target_layers is None:
+            raise CheckpointError("drafter config.json lacks num_target_layers (layers of the target model)")
+        ids = dc.get("target_layer_ids") or default_target_layer_ids(num_target_layers, n_layers)
+        kv = d.get("num_key_value_heads", d["num_attention_heads"])
+        return cls(
+            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers,
+            num_attention_heads=d["num_attention_heads"], num_key_value_heads=kv,
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            vocab_size=d["vocab_size"], num_target_layers=num_target_layers, target_layer_ids=ids,
+            mask_token_id=dc["mask_token_id"], block_size=d.get("block_size", dc.get("block_size", 16)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 32768), hidden_act=d.get("hidden_act", "silu"),
+            attention_bias=d.get("attention_bias", False),
+            dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
+            extra={**{k: v for k, v in d.items() if k not in _KNOWN},
+                   **({"dflash_config": dc_rest} if (dc_rest := {k: v for k, v in dc.items()
+                                                                if k not in ("mask_token_id", "target_layer_ids")}) else {})},
+        )
+
+    def save(self, folder: str | Path) -> None:
+        Path(folder, "config.json").write_text(json.dumps(self.to_json_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "DrafterConfig":
+        path = Path(folder, "config.json")
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found; a drafter checkpoint is a folder with config.json and model.safetensors")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_json_dict(d)
+
+
+def _rope_of(tc) -> tuple[float, dict | None]:
+    """rope_theta and non-default scaling of a transformers config (v4 or v5 style)."""
+    rp = getattr(tc, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    scaling = getattr(tc, "rope_scaling", None)
+    if rp.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def pick_mask_token_id(target_config) -> int:
+    """The last row of the target's embedding table. In the Qwen families that row lies past the
+    tokenizer's vocabulary (never produced by the target); elsewhere it is a rare token. Either
+    way only the drafter ever sees it, as a constant "not yet drafted" input."""
+    return int(target_config.vocab_size - 1)
+
+
+def load_yaml_dataclass(cls, path: str | Path, overrides: dict | None = None):
+    """Build dataclass `cls` from a YAML file plus CLI overrides; unknown fields are an error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} not found")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of field: value")
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{p}: unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(names))}")
+    return cls(**data)

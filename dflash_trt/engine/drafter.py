@@ -1,0 +1,275 @@
+"""The DFlash drafter: KV injection of target context plus one-pass block drafting.
+
+Boundary: this module owns the drafter's weights (fc, hidden_norm, decoder layers, final norm),
+its checkpoint format (z-lab layout: config.json + model.safetensors without embedding or LM
+head) and its two inference operations over a `KVCache` of context K/V:
+
+  inject_context: fused context feature c = hidden_norm(fc(taps)); for every layer,
+                  K = RoPE(k_norm(k_proj(c))), V = v_proj(c) are written at the tokens' own
+                  positions. Context never passes through Q, O or the MLP.
+  draft_block:    block [x0, MASK * (B-1)] at positions ctx_len..ctx_len+B-1; each layer's queries
+                  come from the block only and attend, without a causal mask, to all context
+                  K/V plus the block's own K/V. Output i (i >= 1) predicts block token i.
+
+The embedding and LM head are the target's (frozen, shared, not saved). Training-time forward
+(many blocks per sequence under one mask) lives in the training module and uses these layers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash_trt.config import DrafterConfig
+from dflash_trt.engine.cache import KVCache
+from dflash_trt.engine.target import apply_rope, cached_attention
+from dflash_trt.errors import CheckpointError, IncompatibleModelsError
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for one absolute position axis (context and block share it)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.attention_scaling = 1.0
+        if cfg.rope_scaling:
+            from transformers import Qwen3Config
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            rp = {"rope_theta": cfg.rope_theta, **cfg.rope_scaling}
+            rope_type = rp.get("rope_type", rp.get("type"))
+            hf_cfg = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                                 head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                                 rope_parameters={**rp, "rope_type": rope_type})
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, None)
+        else:
+            d = cfg.head_dim
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [R, n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(d, self.num_heads * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, d, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.scale = D ** -0.5
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V of x [R, n, d] -> each [R, H_kv, n, D]."""
+        R, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(R, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(R, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        R, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(R, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(d, f, bias=False), "up_proj": nn.Linear(d, f, bias=False),
+                                  "down_proj": nn.Linear(f, d, bias=False)})
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.mlp
+        return m["down_proj"](F.silu(m["gate_proj"](x)) * m["up_proj"](x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(config.num_taps * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self._target = None  # shared embedding / LM head; kept out of state_dict on purpose
+
+    # ---- wiring to the target -----------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def bind(self, target) -> "DFlashDrafter":
+        """Share the target's embedding and LM head after checking the two fit together."""
+        check_compatible(self.config, target)
+        object.__setattr__(self, "_target", target)  # a plain reference, not a submodule
+        self.to(device=target.device, dtype=target.dtype)
+        return self
+
+    @property
+    def target(self):
+        if self._target is None:
+            raise RuntimeError("drafter is not bound to a target: call drafter.bind(target) first")
+        return self._target
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        # + 2 blocks of scratch: a block is written past the context, padded rows past that
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len + 2 * c.block_size,
+                       self.fc.weight.dtype, self.fc.weight.device)
+
+    # ---- inference ----------------------------------------------------------------------
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """Tapped target states [R, n, n_taps*d] -> context feature [R, n, d]."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    @torch.no_grad()
+    def inject_context(self, taps: torch.Tensor, num_new: torch.Tensor, cache: KVCache) -> None:
+        """KV injection of taps [R, n, n_taps*d] (row r: first num_new[r] [R] entries valid) at
+        positions cache.lengths[r]..; advances cache.lengths by num_new."""
+        n = taps.shape[1]
+        if n == 0:
+            return
+        cache.check_room(n)
+        positions = cache.lengths[:, None] + torch.arange(n, device=taps.device)
+        ctx = self.fuse(taps)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            cache.write(i, k, v, positions)  # padded entries land in scratch slots (see cache.py)
+        cache.lengths = cache.lengths + num_new.to(cache.lengths)
+
+    @torch.no_grad()
+    def draft_block(self, block_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """block_ids [R, B] (column 0 = last verified token, rest mask) -> hidden [R, B, d] after
+        the final norm. Context lengths are unchanged: block K/V are scratch."""
+        R, B = block_ids.shape
+        cache.check_room(B)
+        positions = cache.lengths[:, None] + torch.arange(B, device=block_ids.device)  # [R, B]
+        upto = int(positions.max()) + 1
+        limit = cache.lengths + B  # context + whole block, no causal mask
+        visible = (torch.arange(upto, device=block_ids.device)[None, :] < limit[:, None])[:, None, :].expand(R, B, upto)
+        x = self.target.embed(block_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            k, v = attn.kv(h, cos, sin)
+            cache.write(i, k, v, positions)
+            k_all, v_all = cache.view(i, upto)
+            out = cached_attention(attn.q(h, cos, sin), k_all, v_all, visible, attn.scale)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, B, -1))
+            x = x + layer.ffn(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def draft_logits(self, block_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [R, B-1, V] (float32) for block positions 1..B-1, via the target's LM head."""
+        hidden = self.draft_block(block_ids, cache)
+        return self.target.lm_head(hidden[:, 1:].to(self.target.dtype)).float()
+
+    # ---- checkpoint ---------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write config.json + model.safetensors atomically (temp dir, then rename)."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            self.config.save(tmp)
+            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, target=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise CheckpointError(f"drafter {folder}: not a folder; expected config.json + {WEIGHTS_NAME} "
+                                  f"(train one with `dflash-trt train`)")
+        cfg = DrafterConfig.load(folder)
+        wfile = folder / WEIGHTS_NAME
+        if not wfile.is_file():
+            raise CheckpointError(f"drafter {folder}: {WEIGHTS_NAME} not found")
+        try:
+            state = load_file(str(wfile))
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            raise CheckpointError(f"drafter {wfile}: unreadable or corrupt ({e})") from None
+        model = cls(cfg)
+        ours = model.state_dict()
+        missing = sorted(set(ours) - set(state))
+        if missing:
+            raise CheckpointError(f"drafter {wfile}: missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        for k, t in ours.items():
+            if tuple(state[k].shape) != tuple(t.shape):
+                raise CheckpointError(f"drafter {wfile}: tensor {k} has shape {tuple(state[k].shape)}, "
+                                      f"config.json implies {tuple(t.shape)}")
+        model.load_state_dict({k: state[k] for k in ours}, strict=True)
+        if dtype is not None:
+            model.to(dtype)
+        if target is not None:
+            model.bind(target)
+        return model.eval()
+
+
+def check_compatible(cfg: DrafterConfig, target) -> None:
+    """Raise IncompatibleModelsError naming the field when drafter and target do not fit."""
+    tc = target.config
+    problems = []
+    if cfg.hidden_size != tc.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target hidden_size {tc.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab size {target.vocab_size}")
+    if cfg.num_target_layers != target.num_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != target's {target.num_layers} layers")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"dflash_config.target_layer_ids {bad} outside the target's layers 0..{target.num_layers - 1}")
+    if problems:
+        raise IncompatibleModelsError("drafter does not fit the target: " + "; ".join(problems)
+                                      + " (train a drafter for this target with `dflash-trt train`)")
+

@@ -1,0 +1,187 @@
+"""Target adapter: a Hugging Face causal LM (Qwen2, Qwen3, Llama families) run by our own
+attention over a croppable per-row KV cache.
+
+Boundary: weights, norms, MLPs and rotary tables are the Hugging Face modules themselves (so
+every RoPE variant and checkpoint quirk transformers handles is handled here); what this module
+owns is the attention over `KVCache` and the outputs speculative decoding needs: logits at the
+positions asked for, and the hidden states of the tapped layers (output of decoder layer `i`,
+before the final norm, i.e. transformers' `hidden_states[i + 1]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.engine.cache import KVCache
+from dflash_trt.errors import CheckpointError, DFlashError
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [R, H, n, D]; cos/sin [R, n, D] (Hugging Face rotate_half convention)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [R, H, n, D] against k/v [R, H_kv, S, D] where visible [R, n, S] is True; -> [R, H, n, D]."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [R, m, V] at the requested positions (float32)
+    taps: torch.Tensor | None  # [R, n, n_taps * d] tapped hidden states of every input position
+
+
+class TargetModel(nn.Module):
+    """The target LLM as speculative decoding needs it: ragged batched forward over a KV cache."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise DFlashError(f"target model_type={cfg.model_type!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self.hf = hf_model.eval()
+        self.config = cfg
+        base = hf_model.model
+        self.embed_tokens, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
+        self.rotary_emb, self.lm_head = base.rotary_emb, hf_model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scale = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                        device: str | torch.device = "cpu") -> "TargetModel":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model folder "
+                                  f"(or a name known to `dflash-trt models list`)")
+        cfg = AutoConfig.from_pretrained(path)
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise DFlashError(f"{path}: model_type={cfg.model_type!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: cannot load the target weights ({type(e).__name__}: {e})") from None
+        return cls(hf.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 32768))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on pre-norm hidden states [..., d] -> float32 logits [..., V]."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    # ---- forward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, tap_layers: list[int] | None = None,
+                logits_at: torch.Tensor | None = None) -> TargetOutput:
+        """Append input_ids [R, n] to every row at positions cache.lengths[r] + 0..n-1.
+
+        Advances cache.lengths by n; the caller crops rows that hold padding or rejected drafts.
+        logits_at [R, m] selects the positions (0..n-1 within this input) to compute logits for;
+        None means all n. tap_layers lists the decoder layers whose outputs are returned.
+        """
+        R, n = input_ids.shape
+        cache.check_room(n)
+        positions = cache.lengths[:, None] + torch.arange(n, device=input_ids.device)  # [R, n]
+        upto = int(positions.max()) + 1
+        visible = torch.arange(upto, device=input_ids.device)[None, None, :] <= positions[:, :, None]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(x, positions)
+        taps = []
+        want = set(tap_layers or [])
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer, layer.input_layernorm(x), i, cache, positions, upto, visible, cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in want:
+                taps.append(x)
+        cache.lengths = cache.lengths + n
+        tapped = None
+        if tap_layers:
+            by_id = dict(zip(sorted(want), taps))
+            tapped = torch.cat([by_id[i] for i in tap_layers], dim=-1)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+        return TargetOutput(logits=self.logits(x), taps=tapped)
+
+    def _attention(self, layer, h, i, cache, positions, upto, visible, cos, sin):
+        attn = layer.self_attn
+        R, n, _ = h.shape
+        q = attn.q_proj(h).view(R, n, -1, self.head_dim)
+        k = attn.k_proj(h).view(R, n, -1, self.head_dim)
+        v = attn.v_proj(h).view(R, n, -1, self.head_dim).transpose(1, 2)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        cache.write(i, k, v, positions)
+        k_all, v_all = cache.view(i, upto)
+        out = cached_attention(q, k_all, v_all, visible, self.scale)  # [R, H, n, D]
+        return attn.o_proj(out.transpose(1, 2).reshape(R, n, -1))
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], cache: KVCache, tap_layers: list[int] | None = None) -> TargetOutput:
+        """Run ragged prompts (right-padded) into an empty cache; logits at each prompt's last token.
+
+        Afterwards cache.lengths[r] == len(prompts[r]); taps cover all padded positions.
+        """
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        if int(lens.min()) < 1:
+            raise DFlashError("empty prompt: every prompt needs at least one token")
+        ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long, device=self.device)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        cache.crop(torch.zeros_like(lens))
+        out = self.forward(ids, cache, tap_layers, logits_at=(lens - 1)[:, None])
+        cache.crop(lens)
+        return out

@@ -1,0 +1,286 @@
+"""SpecEngine: the DFlash draft -> verify -> accept -> rewind loop over a live batch of requests.
+
+Boundary: owns per-request state (sampling params, RNG, outputs, statistics) and the batch's
+caches; requests join (`add_request`) and leave (finish / `cancel`) between steps, so it serves
+both `generate()` and the Triton orchestrator's continuous batching. Model math lives in
+engine/, acceptance math in spec/verify.py.
+
+Per row, between steps: the target cache holds every verified token except `last` (the token
+that opens the next block); the drafter cache holds context K/V for the same positions except
+the `pending` target features from the last verify, which are injected at the start of the next
+step. Both caches therefore always have the same length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import DFlashError
+from dflash_trt.spec.verify import Verdict, greedy_accept, rejection_accept, sample_tokens, warp_logits
+
+
+@dataclass
+class RequestStats:
+    block_size: int
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # [k] = verify steps that emitted k tokens (1..B)
+    accepted_at: list[int] = field(default_factory=list)  # [i] = steps whose draft i+1 was accepted
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    prefill_time: float = 0.0
+
+    def __post_init__(self):
+        self.accept_hist = self.accept_hist or [0] * (self.block_size + 1)
+        self.accepted_at = self.accepted_at or [0] * (self.block_size - 1)
+
+    def record(self, accepted: int) -> None:
+        self.num_verify_steps += 1
+        self.num_draft_tokens += self.block_size - 1
+        self.num_accepted_draft_tokens += accepted
+        self.accept_hist[accepted + 1] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: tokens emitted per verify step, bonus included."""
+        s = self.num_verify_steps
+        return (self.num_accepted_draft_tokens + s) / s if s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | None while running
+    stats: RequestStats
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: SamplingParams
+    generator: torch.Generator
+    stops: frozenset[int]
+    stats: RequestStats
+    num_prompt: int
+    output: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class SpecEngine:
+    def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None):
+        self.target, self.drafter = target, drafter
+        self.block_size = drafter.block_size
+        self.max_batch = max_batch
+        self.max_seq_len = min(max_seq_len or 4096, target.max_context())
+        self.tap_layers = list(drafter.target_layer_ids)
+        self.eos = _eos_ids(target)
+        self.reqs: list[_Request] = []  # row order of every batch tensor below
+        self.tcache = self.dcache = None
+        self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
+        self._finished_unreported: list[_Request] = []
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.add_requests([(request_id, prompt_ids, params)])
+
+    def add_requests(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Prefill new requests together and join them to the running batch."""
+        if not items:
+            return
+        if len(self.reqs) + len(items) > self.max_batch:
+            raise DFlashError(f"batch full: {len(self.reqs)} running + {len(items)} new > max_batch={self.max_batch}")
+        known = {r.request_id for r in self.reqs}
+        prompts, reqs = [], []
+        for rid, ids, params in items:
+            ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
+            self._validate(rid, ids, known)
+            known.add(rid)
+            gen = torch.Generator(device=self.target.device)
+            gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+            reqs.append(_Request(rid, params, gen, stops, RequestStats(self.block_size, len(ids)), len(ids)))
+            prompts.append(ids)
+        t0 = time.perf_counter()
+        cap = self.max_seq_len + self.block_size
+        tcache, dcache = self.target.new_cache(len(items), cap), self.drafter.new_cache(len(items), cap)
+        out = self.target.prefill(prompts, tcache, self.tap_layers)
+        lens = tcache.lengths.clone()
+        self.drafter.inject_context(out.taps, lens, dcache)
+        first = torch.stack([self._sample(req, out.logits[r, 0]) for r, req in enumerate(reqs)])
+        dt = time.perf_counter() - t0
+        B = self.block_size
+        pending = torch.zeros(len(items), B, out.taps.shape[-1], dtype=out.taps.dtype, device=out.taps.device)
+        for req, tok in zip(reqs, first.tolist()):
+            req.stats.prefill_time = dt
+            self._emit(req, [tok])
+        self._join(reqs, tcache, dcache, first, pending, torch.zeros_like(lens))
+        self._drop_finished()
+
+    def _validate(self, rid: str, ids: list[int], known: set) -> None:
+        if rid in known:
+            raise DFlashError(f"request_id {rid!r} is already running")
+        if not ids:
+            raise DFlashError("prompt is empty: give at least one token")
+        V = self.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise DFlashError(f"prompt token ids {bad[:4]} outside the vocabulary 0..{V - 1}")
+        if len(ids) >= self.max_seq_len:
+            raise DFlashError(f"prompt has {len(ids)} tokens but the context is max_seq_len={self.max_seq_len}; "
+                              f"shorten the prompt or raise max_seq_len")
+
+    def _join(self, reqs, tcache, dcache, last, pending, pending_n) -> None:
+        if not self.reqs:
+            self.tcache, self.dcache, self.last, self.pending, self.pending_n = tcache, dcache, last, pending, pending_n
+        else:
+            self.tcache.extend(tcache)
+            self.dcache.extend(dcache)
+            self.last = torch.cat([self.last, last])
+            self.pending = torch.cat([self.pending, pending])
+            self.pending_n = torch.cat([self.pending_n, pending_n])
+        self.reqs.extend(reqs)
+
+    def cancel(self, request_id: str) -> None:
+        for req in self.reqs:
+            if req.request_id == request_id and req.finish_reason is None:
+                req.finish_reason = "cancelled"
+        self._drop_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs) or bool(self._finished_unreported)
+
+    # ---- one speculative step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One draft/verify round for every running row; returns what each request gained."""
+        if self.reqs:
+            self._round()
+        outputs = [self._report(r) for r in self._finished_unreported]
+        outputs += [self._report(r) for r in self.reqs if r.unsent]
+        self._finished_unreported = []
+        return outputs
+
+    def _round(self) -> None:
+        R, B = len(self.reqs), self.block_size
+        t0 = time.perf_counter()
+        block, q = self.propose()
+        t1 = time.perf_counter()
+        out = self.verify(block)
+        verdict = self.accept(block, out.logits, q)
+        t2 = time.perf_counter()
+        self.rewind(verdict, out.taps)
+        accepted, bonus = verdict.accepted.tolist(), verdict.bonus.tolist()
+        drafts = block[:, 1:].tolist()
+        for r, req in enumerate(self.reqs):
+            a = accepted[r]
+            req.stats.record(a)
+            req.stats.draft_time += t1 - t0
+            req.stats.verify_time += t2 - t1
+            self._emit(req, drafts[r][:a] + [bonus[r]])
+        self._drop_finished()
+
+    def propose(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Inject last round's target features, draft a block. -> block [R, B], q [R, B-1, V] or None."""
+        R, B = len(self.reqs), self.block_size
+        self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
+        block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
+        block[:, 0] = self.last
+        logits = self.drafter.draft_logits(block, self.dcache)  # [R, B-1, V]
+        if all(r.params.greedy for r in self.reqs):
+            block[:, 1:] = logits.argmax(-1)
+            return block, None
+        q = torch.zeros_like(logits)
+        for r, req in enumerate(self.reqs):
+            if req.params.greedy:  # a one-hot q makes rejection sampling exactly greedy acceptance
+                block[r, 1:] = logits[r].argmax(-1)
+            else:
+                q[r] = warp_logits(logits[r], req.params)
+                block[r, 1:] = sample_tokens(q[r], req.generator)
+        return block, q
+
+    def verify(self, block: torch.Tensor):
+        """The target scores the whole block in one pass (logits [R, B, V], taps [R, B, taps*d])."""
+        return self.target.forward(block, self.tcache, self.tap_layers)
+
+    def accept(self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None) -> Verdict:
+        if q is None:
+            return greedy_accept(block, logits.argmax(-1))
+        accepted, bonus = [], []
+        for r, req in enumerate(self.reqs):
+            if req.params.greedy:
+                v = greedy_accept(block[r:r + 1], logits[r:r + 1].argmax(-1))
+            else:
+                p = warp_logits(logits[r], req.params)
+                u = torch.rand(self.block_size, generator=req.generator, device=logits.device)
+                v = rejection_accept(block[r:r + 1], p[None], q[r:r + 1], u[None, :-1], u[-1:])
+            accepted.append(v.accepted)
+            bonus.append(v.bonus)
+        return Verdict(torch.cat(accepted), torch.cat(bonus))
+
+    def rewind(self, verdict: Verdict, taps: torch.Tensor) -> None:
+        """Crop the target cache to the accepted prefix; queue its features for the drafter."""
+        B = self.block_size
+        self.tcache.crop(self.tcache.lengths - B + verdict.accepted + 1)
+        self.pending, self.pending_n = taps, verdict.accepted + 1
+        self.last = verdict.bonus
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _sample(self, req: _Request, logits: torch.Tensor) -> torch.Tensor:
+        if req.params.greedy:
+            return logits.argmax(-1)
+        return sample_tokens(warp_logits(logits, req.params), req.generator)
+
+    def _emit(self, req: _Request, tokens: list[int]) -> None:
+        """Append tokens up to the first stop token / token budget / context limit."""
+        for t in tokens:
+            if req.finish_reason is not None:
+                return
+            req.output.append(t)
+            req.unsent.append(t)
+            if t in req.stops:
+                req.finish_reason = "stop"
+            elif len(req.output) >= req.params.max_new_tokens or req.num_prompt + len(req.output) >= self.max_seq_len:
+                req.finish_reason = "length"
+        req.stats.num_output_tokens = len(req.output)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.reqs) if r.finish_reason is None]
+        if len(keep) == len(self.reqs):
+            return
+        self._finished_unreported += [r for r in self.reqs if r.finish_reason is not None]
+        self.reqs = [self.reqs[i] for i in keep]
+        if not keep:
+            self.tcache = self.dcache = self.last = self.pending = self.pending_n = None
+            return
+        rows = torch.tensor(keep, device=self.last.device)
+        self.tcache.select_rows(rows)
+        self.dcache.select_rows(rows)
+        self.last, self.pending, self.pending_n = self.last[rows], self.pending[rows], self.pending_n[rows]
+
+    def _report(self, req: _Request) -> RequestOutput:
+        new, req.unsent = req.unsent, []
+        return RequestOutput(req.request_id, new, req.finish_reason is not None, req.finish_reason, req.stats)
+
+
+def _eos_ids(target) -> frozenset[int]:
+    ids = set()
+    for src in (getattr(target.hf, "generation_config", None), target.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.update(e if isinstance(e, (list, tuple)) else [e])
+    return frozenset(int(i) for i in ids)

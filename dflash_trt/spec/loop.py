@@ -1,0 +1,172 @@
+"""generate() (DFlash speculative decoding) and generate_baseline() (plain autoregressive decoding
+on the same target adapter), for a batch of prompts with per-row lengths.
+
+Boundary: batch-level entry points and aggregate statistics. The per-step loop lives in
+spec/engine.py; both functions here use the same target adapter so that their speed ratio is
+the speculative speedup alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.spec.engine import RequestStats, SpecEngine, _eos_ids
+from dflash_trt.spec.verify import sample_tokens, warp_logits
+
+
+@dataclass
+class GenerationStats:
+    block_size: int = 0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_verify_steps: int = 0  # target forward passes after prefill (decode steps for the baseline)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # [k]: verify steps that emitted k tokens
+    accepted_at: list[int] = field(default_factory=list)  # [i]: steps whose draft i+1 was accepted
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: tokens per verify step including the bonus token."""
+        s = self.num_verify_steps
+        return (self.num_accepted_draft_tokens + s) / s if s and self.block_size else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(draft i is accepted) for i = 1..B-1, over all verify steps."""
+        s = self.num_verify_steps
+        return [c / s for c in self.accepted_at] if s else []
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        dt = self.wall_time - self.prefill_time
+        return (self.num_output_tokens - 1) / dt if dt > 0 and self.num_output_tokens > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate,
+                 per_position_acceptance=self.per_position_acceptance, decode_tokens_per_s=self.decode_tokens_per_s)
+        return d
+
+    def add(self, s: RequestStats) -> None:
+        self.block_size = s.block_size
+        for k in ("num_prompt_tokens", "num_output_tokens", "num_verify_steps", "num_draft_tokens",
+                  "num_accepted_draft_tokens"):
+            setattr(self, k, getattr(self, k) + getattr(s, k))
+        self.accept_hist = [a + b for a, b in zip(self.accept_hist or [0] * len(s.accept_hist), s.accept_hist)]
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at or [0] * len(s.accepted_at), s.accepted_at)]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per prompt (prompt excluded, stop token included)
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+
+def _as_prompts(input_ids) -> list[list[int]]:
+    if torch.is_tensor(input_ids):
+        return [input_ids.tolist()] if input_ids.dim() == 1 else input_ids.tolist()
+    if input_ids and isinstance(input_ids[0], int):
+        return [list(input_ids)]
+    return [list(p) for p in input_ids]
+
+
+def _row_params(params: SamplingParams, r: int) -> SamplingParams:
+    if params.seed is None:
+        return params
+    return SamplingParams(**{**params.__dict__, "seed": params.seed + r})
+
+
+def generate(target, drafter, input_ids, params: SamplingParams | None = None,
+             max_seq_len: int | None = None) -> GenerationResult:
+    """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L])."""
+    params = params or SamplingParams()
+    prompts = _as_prompts(input_ids)
+    need = max(len(p) for p in prompts) + params.max_new_tokens + 1
+    eng = SpecEngine(target, drafter, max_batch=len(prompts), max_seq_len=max_seq_len or need)
+    t0 = time.perf_counter()
+    eng.add_requests([(str(r), p, _row_params(params, r)) for r, p in enumerate(prompts)])
+    tokens: dict[str, list[int]] = {str(r): [] for r in range(len(prompts))}
+    reasons: dict[str, str] = {}
+    per_req: dict[str, RequestStats] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+                per_req[out.request_id] = out.stats
+    stats = GenerationStats()
+    for s in per_req.values():
+        stats.add(s)
+    first = next(iter(per_req.values()))
+    stats.prefill_time = first.prefill_time
+    stats.draft_time = max(s.draft_time for s in per_req.values())
+    stats.verify_time = max(s.verify_time for s in per_req.values())
+    stats.wall_time = time.perf_counter() - t0
+    keys = [str(r) for r in range(len(prompts))]
+    return GenerationResult([tokens[k] for k in keys], [reasons[k] for k in keys], stats)
+
+
+@torch.no_grad()
+def generate_baseline(target, input_ids, params: SamplingParams | None = None,
+                      max_seq_len: int | None = None) -> GenerationResult:
+    """Plain autoregressive decoding with the same target adapter: one target pass per token."""
+    params = params or SamplingParams()
+    prompts = _as_prompts(input_ids)
+    R = len(prompts)
+    cap = max_seq_len or (max(len(p) for p in prompts) + params.max_new_tokens + 1)
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(_eos_ids(target)))
+    gens = []
+    for r in range(R):
+        g = torch.Generator(device=target.device)
+        g.manual_seed(params.seed + r) if params.seed is not None else g.seed()
+        gens.append(g)
+
+    def pick(logits):  # [R, V] -> [R]
+        if params.greedy:
+            return logits.argmax(-1)
+        probs = warp_logits(logits, params)
+        return torch.stack([sample_tokens(probs[r], gens[r]) for r in range(R)])
+
+    t0 = time.perf_counter()
+    cache = target.new_cache(R, cap)
+    out = target.prefill(prompts, cache)
+    tok = pick(out.logits[:, 0])
+    prefill_time = time.perf_counter() - t0
+    tokens = [[t] for t in tok.tolist()]
+    reasons: list[str | None] = [None] * R
+    steps = 0
+    while True:
+        for r in range(R):
+            if reasons[r] is None:
+                if tokens[r][-1] in stops:
+                    reasons[r] = "stop"
+                elif len(tokens[r]) >= params.max_new_tokens or len(prompts[r]) + len(tokens[r]) >= cap:
+                    reasons[r] = "length"
+        if all(reasons):
+            break
+        # finished rows keep stepping (their tokens are discarded) so the batch stays rectangular
+        out = target.forward(tok[:, None], cache)
+        tok = pick(out.logits[:, -1])
+        steps += 1
+        for r, t in enumerate(tok.tolist()):
+            if reasons[r] is None:
+                tokens[r].append(t)
+    wall = time.perf_counter() - t0
+    stats = GenerationStats(num_prompt_tokens=sum(map(len, prompts)), num_output_tokens=sum(map(len, tokens)),
+                            num_verify_steps=steps, prefill_time=prefill_time, verify_time=wall - prefill_time,
+                            wall_time=wall)
+    return GenerationResult(tokens, reasons, stats)

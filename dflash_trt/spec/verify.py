@@ -1,0 +1,107 @@
+"""Verification: which drafted tokens the target accepts. Pure tensor in, tensor out.
+
+Vocabulary used throughout (for one row, block size B):
+  block   = [x0, d1, ..., d_{B-1}]: x0 is the last verified token, d_i are drafted tokens.
+  target  = the target's logits for every block position; logits[i] predicts the token
+            that follows block[i], so logits[i] judges d_{i+1}.
+  accepted (int in 0..B-1) = how many leading drafts the target keeps: d_1..d_accepted.
+  bonus   = one more token, always produced by the target: at the first rejected
+            position it is the target's own choice (greedy) or a sample from the
+            residual max(p - q, 0) (sampling); if all B-1 drafts pass it comes from
+            logits[B-1].
+  A verify step therefore emits accepted + 1 tokens: d_1..d_accepted, bonus.
+
+Greedy acceptance keeps the longest prefix with d_{i+1} == argmax(logits[i]) and so emits
+exactly the target's greedy continuation. Rejection sampling (Leviathan et al. 2023; Chen
+et al. 2023) accepts d with probability min(1, p(d)/q(d)) and resamples from the
+normalised residual, so emitted tokens are distributed exactly as the target's p.
+The random numbers are arguments so that a GPU kernel can be checked against this code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trt.config import SamplingParams
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [R] int64, drafts kept per row (0..B-1)
+    bonus: torch.Tensor  # [R] int64, the target's extra token per row
+
+
+def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
+    """Greedy verification.
+
+    draft:         [R, B]  block tokens; column 0 is the last verified token.
+    target_argmax: [R, B]  argmax of the target logits at every block position.
+    """
+    if draft.shape != target_argmax.shape:
+        raise ValueError(f"draft {tuple(draft.shape)} and target_argmax {tuple(target_argmax.shape)} differ")
+    match = (draft[:, 1:] == target_argmax[:, :-1]).long()  # [R, B-1]
+    accepted = match.cumprod(dim=1).sum(dim=1)  # [R]
+    bonus = target_argmax.gather(1, accepted[:, None]).squeeze(1)
+    return Verdict(accepted=accepted, bonus=bonus)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample index per row of probs [R, V] (rows sum to 1) with uniforms u [R] in [0, 1)."""
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def rejection_accept(
+    draft: torch.Tensor,  # [R, B]
+    p: torch.Tensor,  # [R, B, V] target probabilities (after temperature / top-k / top-p)
+    q: torch.Tensor,  # [R, B-1, V] drafter probabilities that produced draft[:, 1:]
+    u_accept: torch.Tensor,  # [R, B-1] uniforms in [0, 1) for the accept tests
+    u_sample: torch.Tensor,  # [R] uniform in [0, 1) for the residual / bonus sample
+) -> Verdict:
+    """Lossless speculative sampling: accept d_{i+1} iff u_accept[i] * q_i(d) < p_i(d)."""
+    R, B = draft.shape
+    d = draft[:, 1:]  # [R, B-1]
+    p_d = p[:, :-1].gather(2, d.unsqueeze(-1)).squeeze(-1)  # [R, B-1]
+    q_d = q.gather(2, d.unsqueeze(-1)).squeeze(-1)
+    ok = (u_accept * q_d < p_d).long()
+    accepted = ok.cumprod(dim=1).sum(dim=1)  # [R]
+    rows = torch.arange(R, device=draft.device)
+    p_at = p[rows, accepted]  # [R, V] target distribution at the first rejected (or last) slot
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # all accepted -> residual is p itself
+    residual = (p_at - q_pad[rows, accepted]).clamp_(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # When p == q at that slot the residual is empty; rejection then had probability 0,
+    # but fall back to p to stay well-defined under floating point.
+    dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
+    bonus = _inverse_cdf(dist, u_sample)
+    return Verdict(accepted=accepted, bonus=bonus)
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to logits [..., V]; returns probabilities.
+
+    Used identically for the target's p and the drafter's q, as the lossless argument needs
+    the drafter's sampling distribution to be the q that rejection sampling divides by.
+    """
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits.softmax(-1)
+
+
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V], drawn with the given generator."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    u = torch.rand(flat.shape[0], generator=generator, device=flat.device)
+    return _inverse_cdf(flat, u).reshape(probs.shape[:-1])

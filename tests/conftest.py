@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny random targets (Qwen3, Qwen2, Llama) and drafters, seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.config import DrafterConfig
+from dflash_trt.engine.cache import KVCache
+from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.engine.target import TargetModel
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+
+
+def tiny_hf(family: str = "qwen3", seed: int = 0, **over):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = {**TINY, **over}
+    if family == "qwen3":
+        cfg = Qwen3Config(head_dim=16, **kw)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**kw)
+    elif family == "llama":
+        cfg = LlamaConfig(**kw)
+    else:
+        raise ValueError(family)
+    cfg.eos_token_id = None  # random models: no accidental early stop
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def tiny_target(family: str = "qwen3", seed: int = 0, **over) -> TargetModel:
+    return TargetModel(tiny_hf(family, seed, **over))
+
+
+def tiny_drafter(target: TargetModel, block_size: int = 4, num_layers: int = 2, seed: int = 1,
+                 scale: float = 1.0) -> DFlashDrafter:
+    cfg = DrafterConfig.for_target(target.config, num_layers=num_layers, block_size=block_size)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():  # larger random weights than the default init: a less uniform drafter
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(0, scale * p.shape[1] ** -0.5)
+    return d.float().bind(target)
+
+
+class _RowsCache:
+    """Cache stand-in for OracleDrafter: per-row lengths and the row's reference sequence."""
+
+    def __init__(self, seqs, max_len):
+        self.seqs, self.max_len = list(seqs), max_len
+        self.lengths = torch.zeros(len(seqs), dtype=torch.long)
+
+    def check_room(self, n):
+        pass
+
+    def crop(self, lengths):
+        self.lengths = lengths.clone()
+
+    def select_rows(self, rows):
+        self.seqs = [self.seqs[i] for i in rows.tolist()]
+        self.lengths = self.lengths[rows]
+
+    def extend(self, other):
+        self.seqs += other.seqs
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+
+class OracleDrafter:
+    """Test double: proposes the target's own greedy continuation (from a reference run), so
+    every draft must be accepted. Rows are bound to sequences in the order caches are made."""
+
+    def __init__(self, target, sequences, block_size):
+        self.target, self.block_size, self.mask_token_id = target, block_size, 0
+        self.target_layer_ids = [0]
+        self._queue = list(sequences)  # prompt + greedy output, one per prompt, in add order
+
+    def new_cache(self, batch, max_len):
+        seqs, self._queue = self._queue[:batch], self._queue[batch:]
+        return _RowsCache(seqs, max_len)
+
+    def inject_context(self, taps, num_new, cache):
+        cache.lengths = cache.lengths + num_new
+
+    def draft_logits(self, block_ids, cache):
+        R, B = block_ids.shape
+        logits = torch.zeros(R, B - 1, self.target.vocab_size)
+        for r in range(R):
+            start, seq = int(cache.lengths[r]), cache.seqs[r]
+            for i in range(1, B):
+                pos = start + i
+                logits[r, i - 1, seq[pos] if pos < len(seq) else 0] = 1.0
+        return logits
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def family(request):
+    return request.param
+
+
+def fresh_cache_like(c: KVCache) -> KVCache:
+    return KVCache(len(c.k), c.batch, c.k[0].shape[1], c.k[0].shape[3], c.max_len, c.k[0].dtype)
