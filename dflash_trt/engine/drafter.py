@@ -140,11 +140,13 @@ class DFlashDrafter(nn.Module):
     def target_layer_ids(self) -> list[int]:
         return self.config.target_layer_ids
 
-    def bind(self, target) -> "DFlashDrafter":
-        """Share the target's embedding and LM head after checking the two fit together."""
+    def bind(self, target, cast: bool = True) -> "DFlashDrafter":
+        """Share the target's embedding and LM head after checking the two fit together.
+        cast=True moves the drafter to the target's device and dtype (inference)."""
         check_compatible(self.config, target)
         object.__setattr__(self, "_target", target)  # a plain reference, not a submodule
-        self.to(device=target.device, dtype=target.dtype)
+        if cast:
+            self.to(device=target.device, dtype=target.dtype)
         return self
 
     @property

@@ -60,13 +60,21 @@ class GenerationStats:
                  per_position_acceptance=self.per_position_acceptance, decode_tokens_per_s=self.decode_tokens_per_s)
         return d
 
-    def add(self, s: RequestStats) -> None:
-        self.block_size = s.block_size
+    def add(self, s: "RequestStats | GenerationStats") -> None:
+        """Add another's token and step counts (not times)."""
+        self.block_size = s.block_size or self.block_size
         for k in ("num_prompt_tokens", "num_output_tokens", "num_verify_steps", "num_draft_tokens",
                   "num_accepted_draft_tokens"):
             setattr(self, k, getattr(self, k) + getattr(s, k))
         self.accept_hist = [a + b for a, b in zip(self.accept_hist or [0] * len(s.accept_hist), s.accept_hist)]
         self.accepted_at = [a + b for a, b in zip(self.accepted_at or [0] * len(s.accepted_at), s.accepted_at)]
+
+
+    def merge(self, other: "GenerationStats") -> None:
+        """Add another run's counts and times (runs one after another, e.g. over a prompt set)."""
+        self.add(other)
+        for k in ("prefill_time", "draft_time", "verify_time", "wall_time"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
 @dataclass

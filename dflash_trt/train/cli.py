@@ -1,0 +1,94 @@
+"""`dflash-trt data generate`, `dflash-trt train`, `dflash-trt eval`: thin shells over train/*."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import click
+
+from dflash_trt.cli import friendly_errors
+
+
+def _options_from_dataclass(cls):
+    """One --flag per TrainConfig field, help taken from the field's comment-free name and default."""
+    hints = typing.get_type_hints(cls)
+
+    def deco(fn):
+        for f in reversed(dataclasses.fields(cls)):
+            t = hints[f.name]
+            flag = "--" + f.name.replace("_", "-")
+            if t is bool:
+                fn = click.option(f"{flag}/--no-{f.name.replace('_', '-')}", default=None, help=f"default {f.default}")(fn)
+            elif "list" in str(t):
+                fn = click.option(flag, default=None, help="comma-separated ints")(fn)
+            else:
+                base = {int: int, float: float}.get(t) or (int if "int" in str(t) else float if "float" in str(t) else str)
+                fn = click.option(flag, type=base, default=None, help=f"default {f.default}")(fn)
+        return fn
+
+    return deco
+
+
+def register(main: click.Group) -> None:
+    from dflash_trt.train.trainer import TrainConfig
+
+    @main.group()
+    def data():
+        """Training data: the target regenerates responses to prompts."""
+
+    @data.command("generate")
+    @click.option("--target", required=True, help="Target model name or folder.")
+    @click.option("--prompts", "source", required=True, help="stdlib | FILE.txt | FILE.jsonl")
+    @click.option("--out", required=True, help="Output folder of data-*.jsonl shards.")
+    @click.option("--limit", type=int, default=None, help="Use at most this many prompts.")
+    @click.option("--max-new-tokens", type=int, default=256, show_default=True)
+    @click.option("--batch-size", type=int, default=8, show_default=True)
+    @click.option("--chat/--no-chat", default=True, show_default=True)
+    @click.option("--dtype", default="bfloat16", show_default=True)
+    @friendly_errors
+    def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype):
+        from dflash_trt.pipeline import load_target, load_tokenizer
+        from dflash_trt.train.data import generate_data, load_prompts
+
+        prompts = load_prompts(source, limit)
+        tgt, path = load_target(target, dtype)
+        click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
+
+    @main.command("train")
+    @click.option("--config", "config_path", default=None, help="YAML file mirroring TrainConfig.")
+    @_options_from_dataclass(TrainConfig)
+    @friendly_errors
+    def train_cmd(config_path, **overrides):
+        """Train a DFlash drafter (resumes from OUT/checkpoint); writes OUT/drafter."""
+        from dflash_trt.config import load_yaml_dataclass
+        from dflash_trt.train.trainer import train
+
+        if overrides.get("target_layer_ids"):
+            overrides["target_layer_ids"] = [int(x) for x in overrides["target_layer_ids"].split(",")]
+        if config_path:
+            cfg = load_yaml_dataclass(TrainConfig, config_path, overrides)
+        else:
+            cfg = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
+        click.echo(train(cfg))
+
+    @main.command("eval")
+    @click.option("--target", required=True)
+    @click.option("--drafter", "drafter_dir", required=True)
+    @click.option("--prompts", "source", required=True, help="stdlib | FILE.txt | FILE.jsonl (held-out prompts)")
+    @click.option("--limit", type=int, default=8, show_default=True)
+    @click.option("--max-new-tokens", type=int, default=128, show_default=True)
+    @click.option("--chat/--no-chat", default=True, show_default=True)
+    @click.option("--dtype", default="bfloat16", show_default=True)
+    @click.option("--json-out", default=None, help="Also write the results as JSON here.")
+    @friendly_errors
+    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, json_out):
+        """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
+        from dflash_trt.train.evaluate import evaluate, print_eval
+
+        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype)
+        print_eval(res)
+        if json_out:
+            with open(json_out, "w") as f:
+                json.dump(res, f, indent=2)

@@ -1,0 +1,139 @@
+"""Training data: prompt sources, target-regenerated responses, sharded jsonl on disk.
+
+Boundary: text prompts in, token sequences out ({"input_ids": [...], "prompt_len": P} per line;
+the loss mask is "position >= prompt_len"). Responses are the target's own continuations, so
+the drafter learns the distribution it will be verified against.
+
+Built-in offline sources (on every machine): `stdlib` — docstrings of the Python standard
+library turned into code-writing prompts. Held out on purpose: HumanEval and the WritingBench
+prompts used by `dflash-trt bench` never come from these sources.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflash_trt.errors import DFlashError
+
+STDLIB_MODULES = ("string", "textwrap", "json", "itertools", "functools", "collections", "heapq", "bisect",
+                  "statistics", "fractions", "random", "re", "datetime", "calendar", "shutil", "os.path",
+                  "pathlib", "csv", "base64", "difflib", "fnmatch", "glob", "html", "ipaddress", "operator",
+                  "copy", "math", "zipfile", "tarfile", "gzip", "hashlib", "uuid", "urllib.parse", "email.utils",
+                  "configparser", "argparse", "logging", "inspect", "ast", "tokenize", "dataclasses", "enum",
+                  "typing", "queue", "threading", "subprocess", "tempfile", "locale", "gettext", "pprint")
+
+
+def stdlib_prompts(limit: int | None = None) -> list[str]:
+    """Code prompts built from standard-library function docstrings (deterministic order)."""
+    out: list[str] = []
+    for name in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for fname, fn in sorted(vars(mod).items()):
+            if fname.startswith("_") or not (inspect.isfunction(fn) or inspect.isclass(fn)):
+                continue
+            doc = inspect.getdoc(fn)
+            if not doc or len(doc) < 40:
+                continue
+            first = doc.strip().split("\n\n")[0].replace("\n", " ")
+            kind = "class" if inspect.isclass(fn) else "function"
+            out.append(f"Write a Python {kind} `{fname}` that does the following: {first}\n"
+                       f"Explain briefly, then give the code.")
+            if limit and len(out) >= limit:
+                return out
+    return out
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[str]:
+    """`stdlib`, or a .txt file (one prompt per line) or .jsonl file ({"prompt": ...} per line)."""
+    if source == "stdlib":
+        return stdlib_prompts(limit)
+    p = Path(source)
+    if not p.is_file():
+        raise DFlashError(f"prompt source {source!r}: not a file and not a built-in source (built-in: stdlib)")
+    prompts = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+                prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+            except (json.JSONDecodeError, KeyError):
+                raise DFlashError(f"{p}:{i}: expected a JSON object with a \"prompt\" field") from None
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise DFlashError(f"prompt source {p}: no prompts in it")
+    return prompts[:limit] if limit else prompts
+
+
+def read_sequences(data_dir: str | Path) -> list[dict]:
+    """All sequences of a data folder's shards (data-*.jsonl), validated."""
+    d = Path(data_dir)
+    shards = sorted(d.glob("data-*.jsonl")) if d.is_dir() else ([d] if d.is_file() else [])
+    if not shards:
+        raise DFlashError(f"training data {d}: no data-*.jsonl shards (make them with `dflash-trt data generate`)")
+    seqs = []
+    for shard in shards:
+        for i, line in enumerate(shard.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                ids, P = [int(t) for t in obj["input_ids"]], int(obj["prompt_len"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise DFlashError(f"{shard}:{i}: malformed line; expected {{\"input_ids\": [...], \"prompt_len\": N}}") from None
+            if not 0 < P <= len(ids):
+                raise DFlashError(f"{shard}:{i}: prompt_len={P} outside 1..{len(ids)}")
+            seqs.append({"input_ids": ids, "prompt_len": P})
+    if not seqs:
+        raise DFlashError(f"training data {d}: shards are empty")
+    return seqs
+
+
+def generate_data(target, tokenizer, prompts: list[str], out_dir: str | Path, max_new_tokens: int = 256,
+                  batch_size: int = 8, chat: bool = True, shard_size: int = 256, temperature: float = 0.0,
+                  seed: int = 0, progress: bool = True) -> Path:
+    """The target answers every prompt; sequences go to out_dir/data-NNNNN.jsonl, shard_size per shard.
+    Resumable: shards already written (atomically) are kept and their prompts skipped."""
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.pipeline import encode, stop_ids
+    from dflash_trt.spec.loop import generate_baseline
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                            stop_token_ids=stop_ids(tokenizer))
+    n_shards = (len(prompts) + shard_size - 1) // shard_size
+    finished = {i for i in range(n_shards) if (out / f"data-{i:05d}.jsonl").is_file()}
+    bar = tqdm(total=len(prompts), desc="regenerating responses", disable=not progress)
+    for i in range(n_shards):
+        chunk = prompts[i * shard_size: (i + 1) * shard_size]
+        if i in finished:
+            bar.update(len(chunk))
+            continue
+        lines = []
+        for start in range(0, len(chunk), batch_size):
+            enc = [encode(tokenizer, p, chat) for p in chunk[start: start + batch_size]]
+            res = generate_baseline(target, enc, params)
+            lines += [json.dumps({"input_ids": ids + toks, "prompt_len": len(ids)}) for ids, toks in zip(enc, res.tokens)]
+            bar.update(len(enc))
+        _write_shard(out, i, lines)
+    bar.close()
+    return out
+
+
+def _write_shard(out: Path, index: int, lines: list[str]) -> None:
+    path = out / f"data-{index:05d}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+

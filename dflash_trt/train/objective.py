@@ -1,0 +1,148 @@
+"""DFlash training objective: many blocks per sequence in one drafter forward under one mask.
+
+Boundary: given target features and tokens, build the blocks (anchors), run the drafter's layers
+on all of them at once, and return the position-weighted loss and accuracy statistics. The
+optimiser loop is in trainer.py.
+
+A block anchored at position a is [x_a, MASK * (B-1)] at positions a..a+B-1 and must predict
+x_{a+1}..x_{a+B-1}, exactly as at inference where the block opens with the last verified token.
+Its queries see the context features of positions < a (their K/V injected by each layer's own
+k_proj/v_proj, as in inject_context) and the B entries of their own block, never another
+block. The mask is [J*B, S + J*B] per sequence: O(J*B*S), never O(S^2) per block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.engine.target import apply_rope
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay of the DFlash recipe (7 for B=16, 5 for B=10, 4 for B=8; ~B/2.3 otherwise)."""
+    return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2.3))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1 -> [B-1]."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(lengths: list[int], prompt_lens: list[int], num: int, block_size: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num` distinct anchors per sequence among response positions a with a + B <= length.
+
+    -> anchors [N, num] (long), valid [N, num] (bool)."""
+    N = len(lengths)
+    anchors = torch.zeros(N, num, dtype=torch.long)
+    valid = torch.zeros(N, num, dtype=torch.bool)
+    for r, (L, P) in enumerate(zip(lengths, prompt_lens)):
+        lo, hi = max(P, 1), L - block_size  # inclusive range of admissible anchors
+        if hi < lo:
+            continue
+        cand = torch.arange(lo, hi + 1)
+        pick = cand[torch.randperm(len(cand), generator=generator)[:num]].sort().values
+        anchors[r, : len(pick)] = pick
+        valid[r, : len(pick)] = True
+    return anchors, valid
+
+
+@dataclass
+class BlockBatch:
+    block_ids: torch.Tensor  # [N, J, B] anchor token then mask tokens
+    labels: torch.Tensor  # [N, J, B-1] tokens the block positions 1..B-1 must predict
+    positions: torch.Tensor  # [N, J, B] absolute positions
+    anchors: torch.Tensor  # [N, J]
+    valid: torch.Tensor  # [N, J]
+
+
+def make_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                mask_token_id: int) -> BlockBatch:
+    """input_ids [N, S] (padded), anchors/valid [N, J] -> the blocks and their labels."""
+    B = block_size
+    pos = anchors[..., None] + torch.arange(B)  # [N, J, B]
+    pos = torch.where(valid[..., None], pos, torch.zeros_like(pos))
+    toks = input_ids.gather(1, pos.flatten(1)).view_as(pos)
+    block = torch.full_like(toks, mask_token_id)
+    block[..., 0] = toks[..., 0]
+    return BlockBatch(block, toks[..., 1:], pos, anchors, valid)
+
+
+def block_mask(anchors: torch.Tensor, valid: torch.Tensor, S: int, B: int) -> torch.Tensor:
+    """Visibility [N, J*B, S + J*B]: context position < own anchor, or same block."""
+    N, J = anchors.shape
+    ctx = torch.arange(S)[None, None, :] < anchors.repeat_interleave(B, 1)[..., None]  # [N, JB, S]
+    blk = torch.arange(J).repeat_interleave(B)
+    same = (blk[:, None] == blk[None, :])[None].expand(N, -1, -1)  # [N, JB, JB]
+    # invalid (padding) blocks still see themselves so that no softmax row is empty
+    return torch.cat([ctx & valid.repeat_interleave(B, 1)[..., None], same], dim=-1)
+
+
+def drafter_train_forward(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch) -> torch.Tensor:
+    """All blocks of every sequence in one pass. taps [N, S, n_taps*d] -> hidden [N, J, B, d] (after norm)."""
+    N, J, B = blocks.block_ids.shape
+    S = taps.shape[1]
+    target = drafter.target
+    ctx = drafter.fuse(taps)  # [N, S, d]
+    ctx_pos = torch.arange(S, device=taps.device)[None].expand(N, S)
+    ccos, csin = drafter.rotary(ctx_pos, ctx.dtype)
+    pos = blocks.positions.flatten(1)  # [N, JB]
+    x = target.embed(blocks.block_ids.flatten(1)).to(ctx.dtype)
+    bcos, bsin = drafter.rotary(pos, x.dtype)
+    visible = block_mask(blocks.anchors, blocks.valid, S, B).to(taps.device)[:, None]  # [N, 1, JB, S+JB]
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        k_ctx, v_ctx = attn.kv(ctx, ccos, csin)
+        h = layer.input_layernorm(x)
+        k_blk, v_blk = attn.kv(h, bcos, bsin)
+        q = attn.q(h, bcos, bsin)
+        k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
+        rep = attn.num_heads // attn.num_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(N, J * B, -1))
+        x = x + layer.ffn(layer.post_attention_layernorm(x))
+    return drafter.norm(x).view(N, J, B, -1)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    accuracy: torch.Tensor  # [B-1] per block position
+    accepted: torch.Tensor  # mean accepted drafts per block (greedy, exact prefix) -> tau estimate = 1 + this
+    num_blocks: int
+
+
+def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, gamma: float) -> LossOutput:
+    """Cross-entropy on block positions 1..B-1 weighted exp(-(k-1)/gamma), averaged over valid blocks."""
+    hidden = drafter_train_forward(drafter, taps, blocks)[:, :, 1:]  # [N, J, B-1, d]
+    head = drafter.target.lm_head
+    logits = F.linear(hidden.to(head.weight.dtype), head.weight).float()  # [N, J, B-1, V]
+    B = blocks.block_ids.shape[-1]
+    w = position_weights(B, gamma).to(logits.device)
+    ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
+    vmask = blocks.valid.float()
+    n = vmask.sum().clamp_min(1.0)
+    loss = ((ce * w).sum(-1) / w.sum() * vmask).sum() / n
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == blocks.labels).float()  # [N, J, B-1]
+        acc = (correct * vmask[..., None]).sum((0, 1)) / n
+        accepted = (correct.cumprod(-1).sum(-1) * vmask).sum() / n
+    return LossOutput(loss, acc, accepted, int(vmask.sum().item()))
+
+
+def cosine_lr(step: int, total: int, peak: float, warmup_ratio: float) -> float:
+    warm = max(1, int(math.ceil(total * warmup_ratio)))
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))

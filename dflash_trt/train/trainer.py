@@ -1,0 +1,221 @@
+"""Drafter training loop: TrainConfig (YAML + CLI overrides), features online or offline,
+AdamW with cosine schedule, resumable atomic checkpoints.
+
+Boundary: orchestration only; the objective is in objective.py, data formats in data.py.
+Determinism: the epoch order and every batch's anchors derive from (seed, index), never from a
+running RNG, so a run resumed from a checkpoint at step k reaches the same weights as one that
+never stopped.
+
+Output folder:
+  OUT/checkpoint/  drafter (z-lab layout) + trainer_state.pt, replaced atomically every save_every steps
+  OUT/drafter/     the final drafter (z-lab layout), loadable by DFlashDrafter.from_pretrained
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash_trt.config import DrafterConfig
+from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.errors import ConfigError
+from dflash_trt.train.data import read_sequences
+from dflash_trt.train.objective import cosine_lr, default_gamma, dflash_loss, make_blocks, sample_anchors
+
+
+@dataclass
+class TrainConfig:
+    target: str = ""  # target model: known name or HF folder
+    data: str = ""  # folder of data-*.jsonl shards (dflash-trt data generate)
+    out: str = ""  # output folder (checkpoint/ and drafter/)
+    num_layers: int = 1  # drafter decoder layers
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # default: 5 evenly spread target layers
+    anchors_per_seq: int = 16  # blocks trained per sequence, resampled each epoch
+    gamma: float | None = None  # loss decay; default 7 for B=16, 5 for B=10, 4 for B=8
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (schedule still spans all epochs)
+    batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1
+    max_seq_len: int = 1024  # longer sequences are truncated
+    bf16: bool = True  # autocast to bfloat16 (fp32 master weights)
+    features: str = "online"  # online: target forward per step; offline: precomputed once to disk
+    features_dir: str | None = None  # offline features location (default OUT/features)
+    save_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    dtype: str = "bfloat16"  # target weights dtype
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ConfigError(f"block_size={self.block_size}: must be >= 2")
+        if self.max_seq_len <= self.block_size:
+            raise ConfigError(f"block_size={self.block_size} must be smaller than max_seq_len={self.max_seq_len}")
+        if self.features not in ("online", "offline"):
+            raise ConfigError(f"features={self.features!r}: choose 'online' or 'offline'")
+        for name in ("num_layers", "anchors_per_seq", "epochs", "batch_size", "grad_accum", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr}: must be > 0")
+
+
+class FeatureStore:
+    """Tapped target features of every sequence, bf16 on disk, memory-mapped (offline mode)."""
+
+    def __init__(self, folder: Path, lengths: list[int], width: int):
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.width = width
+        self.mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(int(self.offsets[-1]), width))
+
+    @staticmethod
+    def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
+        if (folder / "complete").is_file():
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        total = sum(map(len, seqs))
+        width = len(tap_layers) * target.config.hidden_size
+        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="w+", shape=(total, width))
+        off = 0
+        for i in tqdm(range(0, len(seqs), batch_size), desc="precomputing target features"):
+            chunk = seqs[i: i + batch_size]
+            taps = target_taps(target, chunk, tap_layers)
+            for r, s in enumerate(chunk):
+                mm[off: off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                off += len(s)
+        mm.flush()
+        (folder / "complete").write_text(str(total))
+
+    def get(self, idx: list[int], S: int) -> torch.Tensor:
+        out = torch.zeros(len(idx), S, self.width, dtype=torch.bfloat16)
+        for r, i in enumerate(idx):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            n = min(b - a, S)
+            out[r, :n] = torch.from_numpy(np.array(self.mm[a: a + n]).view(np.int16)).view(torch.bfloat16)
+        return out
+
+
+@torch.no_grad()
+def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.Tensor:
+    """Tapped hidden states [N, S, taps*d] of right-padded sequences (padding is causal-invisible)."""
+    S = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+    return target.forward(ids, target.new_cache(len(seqs), S), tap_layers).taps
+
+
+def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=folder.parent))
+    try:
+        drafter.save_pretrained(tmp / "d")
+        for f in (tmp / "d").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "d").rmdir()
+        torch.save(state, tmp / "trainer_state.pt")
+        old = folder.with_name(folder.name + ".old")
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
+    """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
+    from dflash_trt.pipeline import load_target
+
+    if not cfg.out:
+        raise ConfigError("out: give an output folder")
+    out = Path(cfg.out)
+    if target is None:
+        if not cfg.target:
+            raise ConfigError("target: give a target model name or folder")
+        target, _ = load_target(cfg.target, cfg.dtype, progress)
+    seqs = [s for s in read_sequences(cfg.data) if len(s["input_ids"]) - max(s["prompt_len"], 1) >= cfg.block_size]
+    if not seqs:
+        raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
+                          f"generate longer responses or lower block_size")
+    for s in seqs:
+        s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
+    dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                    target_layer_ids=cfg.target_layer_ids)
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(dcfg).bind(target, cast=False).float().train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    per_epoch = math.ceil(len(seqs) / cfg.batch_size)
+    total = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
+    stop_at = min(total, cfg.max_steps or total)
+    step = 0
+    ckpt = out / "checkpoint"
+    if (ckpt / "trainer_state.pt").is_file():
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        drafter.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    store = None
+    if cfg.features == "offline":
+        fdir = Path(cfg.features_dir or out / "features")
+        FeatureStore.build(target, [s["input_ids"] for s in seqs], dcfg.target_layer_ids, fdir, cfg.batch_size)
+        store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], dcfg.num_taps * dcfg.hidden_size)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+    bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress)
+    t0, seen = time.perf_counter(), 0
+    while step < stop_at:
+        lr = cosine_lr(step, total, cfg.lr, cfg.warmup_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        for m in range(cfg.grad_accum):
+            i = step * cfg.grad_accum + m  # global micro-batch index
+            epoch, pos = divmod(i, per_epoch)
+            order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+            idx = order[pos * cfg.batch_size: (pos + 1) * cfg.batch_size].tolist()
+            batch = [seqs[j] for j in idx]
+            lens = [len(s["input_ids"]) for s in batch]
+            S = max(lens)
+            ids = torch.zeros(len(batch), S, dtype=torch.long)
+            for r, s in enumerate(batch):
+                ids[r, : lens[r]] = torch.tensor(s["input_ids"])
+            taps = store.get(idx, S) if store else target_taps(target, [s["input_ids"] for s in batch],
+                                                                dcfg.target_layer_ids)
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
+            anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq,
+                                            cfg.block_size, gen)
+            blocks = make_blocks(ids, anchors, valid, cfg.block_size, dcfg.mask_token_id)
+            with autocast:
+                res = dflash_loss(drafter, taps, blocks, gamma)
+            (res.loss / cfg.grad_accum).backward()
+            seen += sum(lens)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == stop_at:
+            acc = res.accuracy.tolist()
+            bar.set_postfix(loss=f"{res.loss.item():.3f}", acc1=f"{acc[0]:.2f}", tau_est=f"{1 + res.accepted.item():.2f}",
+                            tok_s=f"{seen / (time.perf_counter() - t0):.0f}", lr=f"{lr:.1e}")
+        if step % cfg.save_every == 0 or step == stop_at:
+            _save_checkpoint(ckpt, drafter, {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg)})
+    bar.close()
+    final = out / "drafter"
+    DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)
+    return final

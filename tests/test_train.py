@@ -1,0 +1,126 @@
+"""Training end to end on a tiny target: learning, kill-and-resume determinism, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_hf, tiny_target
+from dflash_trt.config import DrafterConfig, SamplingParams
+from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.train.data import load_prompts, read_sequences
+from dflash_trt.train.trainer import TrainConfig, train
+
+
+def _corpus(t, n, seed, V, max_new=48):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    outs = generate_baseline(t, prompts, SamplingParams(max_new_tokens=max_new, ignore_eos=True)).tokens
+    return prompts, outs
+
+
+def _write(folder, prompts, outs):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "data-00000.jsonl", "w") as f:
+        for p, o in zip(prompts, outs):
+            f.write(json.dumps({"input_ids": p + o, "prompt_len": len(p)}) + "\n")
+    return folder
+
+
+def _weights(folder):
+    return DFlashDrafter.from_pretrained(folder).state_dict()
+
+
+def test_kill_and_resume_reaches_same_weights(tmp_path):
+    t = tiny_target("qwen3")
+    data = _write(tmp_path / "data", *_corpus(t, 24, 0, 256, max_new=24))
+    base = dict(data=str(data), block_size=4, batch_size=4, epochs=2, bf16=False, anchors_per_seq=4, save_every=2)
+    straight = train(TrainConfig(out=str(tmp_path / "a"), **base), target=t, progress=False)
+    train(TrainConfig(out=str(tmp_path / "b"), max_steps=5, **base), target=t, progress=False)  # "killed" at 5
+    resumed = train(TrainConfig(out=str(tmp_path / "b"), **base), target=t, progress=False)
+    wa, wb = _weights(straight), _weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 12  # 24 sequences / 4 per batch * 2 epochs
+    assert not any(p.name.startswith(".ckpt") for p in (tmp_path / "b").iterdir())  # no half-written checkpoint
+
+
+def test_offline_features_equal_online(tmp_path):
+    t = tiny_target("llama")
+    data = _write(tmp_path / "data", *_corpus(t, 8, 1, 256, max_new=20))
+    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4)
+    on = train(TrainConfig(out=str(tmp_path / "on"), **base), target=t, progress=False)
+    off = train(TrainConfig(out=str(tmp_path / "off"), features="offline", **base), target=t, progress=False)
+    won, woff = _weights(on), _weights(off)
+    # offline features are stored in bf16, so equality is up to that rounding
+    assert all(torch.allclose(won[k], woff[k], atol=2e-2) for k in won)
+    assert (tmp_path / "off" / "features" / "complete").is_file()
+
+
+@pytest.mark.slow
+def test_training_improves_tau_threefold(tmp_path):
+    """A drafter trained on the target's own outputs accepts far more than an untrained one."""
+    V, B = 32, 16
+    t = tiny_target("qwen3", vocab_size=V)
+    prompts, outs = _corpus(t, 560, 0, V, max_new=64)
+    data = _write(tmp_path / "data", prompts[:512], outs[:512])
+    held = prompts[512:]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    torch.manual_seed(0)
+    untrained = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=2, block_size=B)).bind(t)
+    tau0 = generate(t, untrained, held, params).stats.tau
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "out"), num_layers=2, block_size=B, batch_size=8,
+                      epochs=12, lr=3e-3, bf16=False, anchors_per_seq=16)
+    trained = DFlashDrafter.from_pretrained(train(cfg, target=t, progress=False), target=t)
+    res = generate(t, trained, held, params)
+    assert res.tokens == generate_baseline(t, held, params).tokens  # still lossless
+    assert res.stats.tau >= 3 * tau0, (tau0, res.stats.tau)
+
+
+def test_bad_inputs_have_clear_errors(tmp_path):
+    t = tiny_target("qwen3")
+    with pytest.raises(DFlashError, match="no data-\\*.jsonl"):
+        read_sequences(tmp_path)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "data-00000.jsonl").write_text('{"input_ids": [1, 2]}\n')
+    with pytest.raises(DFlashError, match="data-00000.jsonl:1: malformed"):
+        read_sequences(tmp_path / "bad")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "data-00000.jsonl").write_text("\n")
+    with pytest.raises(DFlashError, match="empty"):
+        read_sequences(tmp_path / "empty")
+    with pytest.raises(DFlashError, match="not a file and not a built-in source"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="block_size=64 must be smaller than max_seq_len=32"):
+        TrainConfig(block_size=64, max_seq_len=32)
+    data = _write(tmp_path / "short", [[1, 2]], [[3, 4, 5]])
+    with pytest.raises(ConfigError, match="block_size=4"):
+        train(TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, bf16=False), target=t, progress=False)
+    data = _write(tmp_path / "ok", *_corpus(t, 4, 0, 256, max_new=12))
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        train(TrainConfig(data=str(data), out=str(tmp_path / "o2"), block_size=4, target_layer_ids=[0, 7]),
+              target=t, progress=False)
+
+
+def test_train_cli_with_yaml(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    hf = tiny_hf("qwen3")
+    hf.save_pretrained(tmp_path / "target")
+    t = tiny_target("qwen3")
+    data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=16))
+    (tmp_path / "train.yaml").write_text(f"target: {tmp_path / 'target'}\ndata: {data}\nblock_size: 4\n"
+                                         f"batch_size: 4\nbf16: false\ndtype: float32\n")
+    r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "train.yaml"), "--out", str(tmp_path / "o"),
+                                  "--anchors-per-seq", "2"])
+    assert r.exit_code == 0, r.output
+    d = DFlashDrafter.from_pretrained(tmp_path / "o" / "drafter")
+    assert d.config.block_size == 4
+    (tmp_path / "bad.yaml").write_text("blok_size: 4\n")
+    r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "bad.yaml")])
+    assert r.exit_code == 2 and "unknown field(s) blok_size" in r.output

@@ -1,0 +1,66 @@
+"""The training mask against per-block inference, and the weighted loss by hand."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_drafter, tiny_target
+from dflash_trt.train.objective import (block_mask, default_gamma, dflash_loss, drafter_train_forward,
+                                        make_blocks, position_weights, sample_anchors)
+
+
+def _setup(B=4):
+    t = tiny_target("qwen3")
+    d = tiny_drafter(t, block_size=B)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 20), generator=gen)
+    cache = t.new_cache(2, 20)
+    taps = t.forward(ids, cache, tap_layers=d.target_layer_ids).taps
+    return t, d, ids, taps
+
+
+def test_each_block_equals_separate_inference_forward():
+    t, d, ids, taps = _setup(B=4)
+    anchors, valid = sample_anchors([20, 15], [3, 5], num=5, block_size=4, generator=torch.Generator().manual_seed(1))
+    assert valid.all() and (anchors[1] <= 11).all() and (anchors >= 3).all()
+    blocks = make_blocks(ids, anchors, valid, 4, d.mask_token_id)
+    hidden = drafter_train_forward(d, taps, blocks)  # [N, J, B, d]
+    for r in range(2):
+        for j in range(5):
+            a = int(anchors[r, j])
+            cache = d.new_cache(1, 32)
+            d.inject_context(taps[r:r + 1, :a], torch.tensor([a]), cache)
+            ref = d.draft_block(blocks.block_ids[r, j][None], cache)[0]
+            torch.testing.assert_close(hidden[r, j], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(blocks.labels[0, 0], ids[0, anchors[0, 0] + 1: anchors[0, 0] + 4])
+
+
+def test_mask_shape_and_isolation():
+    m = block_mask(torch.tensor([[2, 5]]), torch.tensor([[True, True]]), S=8, B=3)
+    assert m.shape == (1, 6, 14)
+    assert m[0, 0, :8].tolist() == [True, True] + [False] * 6  # block 0 sees positions < 2
+    assert m[0, 3, :8].tolist() == [True] * 5 + [False] * 3
+    assert m[0, 0, 8:].tolist() == [True] * 3 + [False] * 3  # never the other block
+
+
+def test_weighted_loss_by_hand():
+    t, d, ids, taps = _setup(B=4)
+    anchors, valid = torch.tensor([[4, 9], [6, 0]]), torch.tensor([[True, True], [True, False]])
+    blocks = make_blocks(ids, anchors, valid, 4, d.mask_token_id)
+    out = dflash_loss(d, taps, blocks, gamma=7.0)
+    hidden = drafter_train_forward(d, taps, blocks)
+    total, n = 0.0, 0
+    for r, j in [(0, 0), (0, 1), (1, 0)]:
+        logits = t.lm_head(hidden[r, j, 1:])
+        num = sum(math.exp(-(k - 1) / 7.0) * F.cross_entropy(logits[k - 1], blocks.labels[r, j, k - 1]).item()
+                  for k in range(1, 4))
+        total += num / sum(math.exp(-(k - 1) / 7.0) for k in range(1, 4))
+        n += 1
+    assert math.isclose(out.loss.item(), total / n, rel_tol=1e-5)
+    assert out.num_blocks == 3
+
+
+def test_gamma_table():
+    assert default_gamma(16) == 7.0 and default_gamma(10) == 5.0 and default_gamma(8) == 4.0
+    assert torch.allclose(position_weights(4, 7.0), torch.tensor([1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
