@@ -60,20 +60,25 @@ def test_offline_features_equal_online(tmp_path):
     assert (tmp_path / "off" / "features" / "complete").is_file()
 
 
-@pytest.mark.slow
 def test_training_improves_tau_threefold(tmp_path):
-    """A drafter trained on the target's own outputs accepts far more than an untrained one."""
-    V, B = 32, 16
+    """A drafter trained on the target's own greedy outputs accepts far more than an untrained one,
+    on held-out prompts. The tiny random target has its attention outputs scaled by 0.3 so that its
+    continuations depend mostly on recent tokens: a distribution a 1-layer drafter can learn in a
+    few hundred CPU steps (a fully random 2-layer target needs far more)."""
+    V, B = 64, 8
     t = tiny_target("qwen3", vocab_size=V)
+    with torch.no_grad():
+        for layer in t.layers:
+            layer.self_attn.o_proj.weight.mul_(0.3)
     prompts, outs = _corpus(t, 560, 0, V, max_new=64)
     data = _write(tmp_path / "data", prompts[:512], outs[:512])
     held = prompts[512:]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     torch.manual_seed(0)
-    untrained = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=2, block_size=B)).bind(t)
+    untrained = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=1, block_size=B)).bind(t)
     tau0 = generate(t, untrained, held, params).stats.tau
-    cfg = TrainConfig(data=str(data), out=str(tmp_path / "out"), num_layers=2, block_size=B, batch_size=8,
-                      epochs=12, lr=3e-3, bf16=False, anchors_per_seq=16)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "out"), num_layers=1, block_size=B, batch_size=8,
+                      epochs=6, lr=3e-3, bf16=False, anchors_per_seq=16)
     trained = DFlashDrafter.from_pretrained(train(cfg, target=t, progress=False), target=t)
     res = generate(t, trained, held, params)
     assert res.tokens == generate_baseline(t, held, params).tokens  # still lossless
