@@ -73,7 +73,7 @@ def models_list():
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--block-size", default=None, type=int, help="Draft block size (default: the drafter's).")
 @click.option("--seed", default=None, type=int)
-@click.option("--dtype", default="bfloat16", show_default=True, help="bfloat16 | float32 | float16")
+@click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
 @click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors

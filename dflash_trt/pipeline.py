@@ -20,8 +20,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and float32 on CPU: CPUs without AVX512-BF16/AMX run bf16 matrix
+    products over several rows (a verify block) as slow emulation, while fp32 GEMMs stay fast."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if name not in DTYPES:
-        raise ConfigError(f"dtype={name!r}: choose one of {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype={name!r}: choose auto or one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -37,7 +41,7 @@ def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
     return Path(resolve_model(name_or_dir, fetch=True, progress=progress))
 
 
-def load_target(name_or_dir: str, dtype: str = "bfloat16", progress: bool = True):
+def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True):
     from dflash_trt.engine.target import TargetModel
 
     path = resolve_target_dir(name_or_dir, progress)

@@ -120,7 +120,7 @@ def test_train_cli_with_yaml(tmp_path):
     t = tiny_target("qwen3")
     data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=16))
     (tmp_path / "train.yaml").write_text(f"target: {tmp_path / 'target'}\ndata: {data}\nblock_size: 4\n"
-                                         f"batch_size: 4\nbf16: false\ndtype: float32\n")
+                                         f"batch_size: 4\nbf16: false\n")
     r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "train.yaml"), "--out", str(tmp_path / "o"),
                                   "--anchors-per-seq", "2"])
     assert r.exit_code == 0, r.output

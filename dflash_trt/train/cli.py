@@ -46,7 +46,7 @@ def register(main: click.Group) -> None:
     @click.option("--max-new-tokens", type=int, default=256, show_default=True)
     @click.option("--batch-size", type=int, default=8, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)
-    @click.option("--dtype", default="bfloat16", show_default=True)
+    @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
     @friendly_errors
     def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype):
         from dflash_trt.pipeline import load_target, load_tokenizer
@@ -80,7 +80,7 @@ def register(main: click.Group) -> None:
     @click.option("--limit", type=int, default=8, show_default=True)
     @click.option("--max-new-tokens", type=int, default=128, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)
-    @click.option("--dtype", default="bfloat16", show_default=True)
+    @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
     @click.option("--json-out", default=None, help="Also write the results as JSON here.")
     @friendly_errors
     def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, json_out):

@@ -11,7 +11,7 @@ from dflash_trt.errors import DFlashError
 
 
 def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new_tokens: int = 128,
-             chat: bool = True, dtype: str = "bfloat16", target_model=None) -> dict:
+             chat: bool = True, dtype: str = "auto", target_model=None) -> dict:
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, stop_ids
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts

@@ -68,7 +68,7 @@ def make_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Ten
                 mask_token_id: int) -> BlockBatch:
     """input_ids [N, S] (padded), anchors/valid [N, J] -> the blocks and their labels."""
     B = block_size
-    pos = anchors[..., None] + torch.arange(B)  # [N, J, B]
+    pos = anchors[..., None] + torch.arange(B, device=anchors.device)  # [N, J, B]
     pos = torch.where(valid[..., None], pos, torch.zeros_like(pos))
     toks = input_ids.gather(1, pos.flatten(1)).view_as(pos)
     block = torch.full_like(toks, mask_token_id)
@@ -79,8 +79,9 @@ def make_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Ten
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, S: int, B: int) -> torch.Tensor:
     """Visibility [N, J*B, S + J*B]: context position < own anchor, or same block."""
     N, J = anchors.shape
-    ctx = torch.arange(S)[None, None, :] < anchors.repeat_interleave(B, 1)[..., None]  # [N, JB, S]
-    blk = torch.arange(J).repeat_interleave(B)
+    dev = anchors.device
+    ctx = torch.arange(S, device=dev)[None, None, :] < anchors.repeat_interleave(B, 1)[..., None]  # [N, JB, S]
+    blk = torch.arange(J, device=dev).repeat_interleave(B)
     same = (blk[:, None] == blk[None, :])[None].expand(N, -1, -1)  # [N, JB, JB]
     # invalid (padding) blocks still see themselves so that no softmax row is empty
     return torch.cat([ctx & valid.repeat_interleave(B, 1)[..., None], same], dim=-1)

@@ -52,13 +52,13 @@ class TrainConfig:
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1
     max_seq_len: int = 1024  # longer sequences are truncated
-    bf16: bool = True  # autocast to bfloat16 (fp32 master weights)
+    bf16: bool = False  # bf16 autocast, fp32 master weights (for GPUs: AVX2 CPUs emulate bf16 GEMMs slowly)
     features: str = "online"  # online: target forward per step; offline: precomputed once to disk
     features_dir: str | None = None  # offline features location (default OUT/features)
     save_every: int = 200
     log_every: int = 10
     seed: int = 0
-    dtype: str = "bfloat16"  # target weights dtype
+    dtype: str = "auto"  # target weights dtype (auto: fp32 on CPU, bf16 on GPU)
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -116,6 +116,7 @@ def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.T
     ids = torch.zeros(len(seqs), S, dtype=torch.long)
     for r, s in enumerate(seqs):
         ids[r, : len(s)] = torch.tensor(s)
+    ids = ids.to(target.device)
     return target.forward(ids, target.new_cache(len(seqs), S), tap_layers).taps
 
 
@@ -158,7 +159,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                     target_layer_ids=cfg.target_layer_ids)
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dcfg).bind(target, cast=False).float().train()
+    drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)
@@ -176,7 +177,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         fdir = Path(cfg.features_dir or out / "features")
         FeatureStore.build(target, [s["input_ids"] for s in seqs], dcfg.target_layer_ids, fdir, cfg.batch_size)
         store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], dcfg.num_taps * dcfg.hidden_size)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress)
     t0, seen = time.perf_counter(), 0
     while step < stop_at:
@@ -195,12 +196,13 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
             ids = torch.zeros(len(batch), S, dtype=torch.long)
             for r, s in enumerate(batch):
                 ids[r, : lens[r]] = torch.tensor(s["input_ids"])
-            taps = store.get(idx, S) if store else target_taps(target, [s["input_ids"] for s in batch],
+            ids = ids.to(target.device)
+            taps = store.get(idx, S).to(target.device) if store else target_taps(target, [s["input_ids"] for s in batch],
                                                                 dcfg.target_layer_ids)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
             anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq,
                                             cfg.block_size, gen)
-            blocks = make_blocks(ids, anchors, valid, cfg.block_size, dcfg.mask_token_id)
+            blocks = make_blocks(ids, anchors.to(ids.device), valid.to(ids.device), cfg.block_size, dcfg.mask_token_id)
             with autocast:
                 res = dflash_loss(drafter, taps, blocks, gamma)
             (res.loss / cfg.grad_accum).backward()
