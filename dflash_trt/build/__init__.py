@@ -1,0 +1,9 @@
+"""Build-time tooling: quantisation to modelopt's HF export format and TensorRT-LLM checkpoints.
+
+  formats.py      FP8 E4M3 and NVFP4 (E2M1 + FP8 block scales) number formats: pure tensors
+  quantize.py     state-dict quantisation / dequantisation, hf_quant_config.json, calibration,
+                  hardware-generation check (re-exports the checkpoint I/O of hf_checkpoint.py)
+  hf_checkpoint.py  save / load a modelopt-style quantised HF checkpoint folder; atomic folder writes
+  tp.py           one linear layer (plain or quantised): tensor-parallel split, fuse and merge
+  convert.py      HF target / DFlash drafter -> TensorRT-LLM 1.2 checkpoint folder, and back
+"""
