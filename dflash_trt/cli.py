@@ -121,6 +121,27 @@ def print_stats(res, block_size: int, temperature: float) -> None:
     Console(stderr=True).print(t)
 
 
+# ---- quickstart ----------------------------------------------------------------------------
+@main.command()
+@click.option("--target", default="smollm2-135m-instruct", show_default=True, help="Model name or HF folder.")
+@click.option("--prompt", default=None, help="Prompt to answer (default: a small coding task).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@friendly_errors
+def quickstart(target, prompt, max_new_tokens, as_json):
+    """Fetch a real model, get (train once, then cache) a drafter, show DFlash's speedup."""
+    from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
+
+    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens)
+    if prompt:
+        cfg.prompt = prompt
+    res = run_quickstart(cfg)
+    if as_json:
+        click.echo(json.dumps(res))
+    else:
+        print_quickstart(res, cfg)
+
+
 # Subcommands of later stages register themselves here when their modules exist.
 def _register_optional():
     import importlib

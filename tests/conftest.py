@@ -103,3 +103,35 @@ def family(request):
 
 def fresh_cache_like(c: KVCache) -> KVCache:
     return KVCache(len(c.k), c.batch, c.k[0].shape[1], c.k[0].shape[3], c.max_len, c.k[0].dtype)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer():
+    """A real byte-level BPE tokenizer built offline (vocab ~300) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
+            "Speculative decoding drafts tokens and verifies them.", "héllo wörld ünïcode ✓ 漢字"] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model_dir(folder, family: str = "qwen3", seed: int = 0):
+    """A saved tiny random target with a real tokenizer: what `--target DIR` expects."""
+    tok = tiny_tokenizer()
+    hf = tiny_hf(family, seed, vocab_size=len(tok))
+    hf.config.eos_token_id = tok.eos_token_id
+    hf.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
