@@ -23,11 +23,11 @@ from dflash_trt.config import SamplingParams
 class QuickstartConfig:
     target: str = "smollm2-135m-instruct"  # model name or folder
     prompt: str = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-    num_prompts: int = 160  # training prompts (standard-library docstrings)
-    response_tokens: int = 128  # tokens the target writes per training prompt
+    num_prompts: int = 64  # training prompts (standard-library docstrings)
+    response_tokens: int = 96  # tokens the target writes per training prompt
     block_size: int = 8
     num_layers: int = 1
-    epochs: int = 3
+    epochs: int = 2
     max_new_tokens: int = 128
     repeats: int = 2  # interleaved DFlash/baseline runs for the timing
 
@@ -48,7 +48,7 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> Path:
     final = work / "drafter"
     if (final / "model.safetensors").is_file():
         return final
-    click.secho(f"No cached drafter for {cfg.target}: training one (about 10 minutes on 2 CPU cores; cached in "
+    click.secho(f"No cached drafter for {cfg.target}: training one (a few minutes on 2 CPU cores; a drafter this small and this briefly trained accepts little, see README; cached in "
                 f"{work}).", fg="yellow", err=True)
     generate_data(target, tokenizer, stdlib_prompts(cfg.num_prompts), work / "data",
                   max_new_tokens=cfg.response_tokens, batch_size=16)

@@ -1,0 +1,315 @@
+"""`run_bench(BenchConfig)`: the whole benchmark in one process, the library call behind
+`dflash-trt bench` and `scripts/bench.py`.
+
+Boundary: loading (target, tokenizer, drafter, assistant, server), prompt encoding, warm-up and the
+interleaved schedule (for every prompt, every method in turn: A B A B ...), the exactness check
+and the sampling comparison; numbers are aggregated and written by report.py / plots.py, the
+scaling sweeps live in scaling.py.
+
+Exactness: at temperature 0 every lossless method's output must equal the reference (`hf`,
+else `baseline`) token for token (text for the server); any difference fails the run with
+OutputMismatchError naming method, prompt and first differing position, after the report is
+written. At temperature > 0 outputs are compared as distributions (report.sample_divergence).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash_trt.bench.datasets import load_dataset
+from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, Run, neutral_generation_config
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import ConfigError, DFlashError
+
+DEFAULT_METHODS = ("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "dflash-triton")
+
+
+class OutputMismatchError(DFlashError):
+    """A lossless method's greedy output differs from the reference."""
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    drafter: str | None = None  # DFlash checkpoint folder
+    random_drafter: bool = False  # untrained drafter (pipeline check; no speedup)
+    assistant: str | None = None  # hf-assisted draft model: known name or HF folder
+    datasets: list[str] = field(default_factory=lambda: ["humaneval"])
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    max_prompt_tokens: int | None = None  # truncate longer prompts (content tokens)
+    chat: bool = True
+    temperature: float = 0.0
+    seed: int = 0
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    block_size: int | None = None
+    out_dir: str = "bench_out"
+    dtype: str = "auto"
+    device: str = "auto"
+    warmup: int = 1
+    prompt_lookup_tokens: int = 10
+    max_matching_ngram: int = 2
+    triton_url: str | None = None
+    sweep_block_sizes: list[int] = field(default_factory=list)
+    sweep_prompt_lengths: list[int] = field(default_factory=list)
+    sweep_concurrency: list[int] = field(default_factory=list)
+    plots: bool = True
+    home: str | None = None  # dataset cache root (default $DFLASH_TRT_HOME)
+
+    def __post_init__(self):
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"methods {unknown}: unknown; choose from {', '.join(METHODS)}")
+        if not self.methods:
+            raise ConfigError("methods: give at least one")
+        if self.num_prompts < 1:
+            raise ConfigError(f"num_prompts={self.num_prompts}: must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature}: must be >= 0")
+        if any(b < 2 for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else [])):
+            raise ConfigError("block sizes must be >= 2")
+
+
+class BenchContext:
+    """Models and options shared by the methods of one bench run."""
+
+    def __init__(self, cfg: BenchConfig, progress: bool = True):
+        from dflash_trt.pipeline import load_target, load_tokenizer, stop_ids
+        from dflash_trt.spec.engine import _eos_ids
+
+        self.cfg, self.chat = cfg, cfg.chat
+        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(dev)
+        self.target, self.target_path = load_target(cfg.target, cfg.dtype, progress=progress)
+        self.target.to(self.device)
+        self.tokenizer = load_tokenizer(self.target_path)
+        neutral_generation_config(self.target.hf, self.tokenizer)
+        self.stop_ids = stop_ids(self.tokenizer)
+        self.stops = set(self.stop_ids) | set(_eos_ids(self.target))
+        self.assistant = cfg.assistant
+        self.prompt_lookup_tokens, self.max_matching_ngram = cfg.prompt_lookup_tokens, cfg.max_matching_ngram
+        self.triton_url = cfg.triton_url
+        self.max_seq_len = 2048
+        self._drafters: dict = {}
+        self._tmp = tempfile.TemporaryDirectory(prefix="dflash-bench-")
+
+    def drafter(self, block_size: int | None = None):
+        from dflash_trt.pipeline import load_drafter
+
+        b = block_size or self.cfg.block_size
+        if b not in self._drafters:
+            if not self.cfg.drafter and not self.cfg.random_drafter:
+                raise MethodUnavailable("no --drafter given (or --random-drafter for a pipeline check)")
+            d = load_drafter(self.target, self.cfg.drafter, b, random_init=self.cfg.random_drafter, seed=self.cfg.seed)
+            self._drafters[b] = d.to(self.device)
+        return self._drafters[b]
+
+    def load_assistant(self):
+        from transformers import AutoModelForCausalLM
+
+        from dflash_trt.pipeline import load_tokenizer, parse_dtype, resolve_target_dir
+
+        path = resolve_target_dir(self.assistant)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(self.cfg.dtype)).to(self.device).eval()
+        tokenizer = load_tokenizer(path)
+        neutral_generation_config(model, tokenizer)
+        return model, tokenizer
+
+    def start_server(self):
+        """A TritonServer (entered) over a model repository for this run's target and drafter."""
+        from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+        from dflash_trt.serving.server import TritonServer
+
+        drafter_dir = self.cfg.drafter
+        if not drafter_dir or self.cfg.block_size:  # a random drafter, or a block size override: save it
+            drafter_dir = Path(self._tmp.name) / "drafter"
+            self.drafter().save_pretrained(drafter_dir)
+        values = default_values(self.target_path, drafter_dir, dtype=self.cfg.dtype, max_seq_len=self.max_seq_len,
+                                apply_chat_template=self.chat, max_batch=max([16] + self.cfg.sweep_concurrency))
+        repo = fill_model_repo(default_template_dir(), Path(self._tmp.name) / "repo", values)
+        return TritonServer(repo, startup_timeout=600).__enter__()
+
+    def close(self):
+        self._tmp.cleanup()
+
+
+# ---- prompts -------------------------------------------------------------------------------
+def fit_prompt(tokenizer, text: str, chat: bool, length: int | None, filler: str = "") -> tuple[str, list[int]]:
+    """(text, ids) with the prompt cut (or, with `filler`, padded in front) so that the encoded
+    prompt has about `length` tokens; None keeps it. Cuts are made on the content tokens, so the
+    chat template stays intact; the re-encoded length can differ from `length` by a token or two."""
+    from dflash_trt.pipeline import encode
+
+    ids = encode(tokenizer, text, chat)
+    if length is None or len(ids) == length or (len(ids) < length and not filler):
+        return text, ids
+    overhead = len(ids) - len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    need = max(1, length - overhead)
+    content = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(content) > need:
+        content = content[:need]
+    else:
+        pad = tokenizer(filler, add_special_tokens=False)["input_ids"] or content
+        pad = (pad * (need // max(1, len(pad)) + 1))[: need - len(content)]
+        content = pad + content
+    text = tokenizer.decode(content, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return text, encode(tokenizer, text, chat)
+
+
+def build_items(ctx: BenchContext, cfg: BenchConfig) -> dict[str, list[Item]]:
+    items = {}
+    for name in cfg.datasets:
+        prompts = load_dataset(name, cfg.num_prompts, cfg.home)
+        ds = []
+        for p in prompts:
+            text, ids = fit_prompt(ctx.tokenizer, p.for_mode(cfg.chat), cfg.chat, None)
+            if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens:
+                text, ids = fit_prompt(ctx.tokenizer, text, cfg.chat, cfg.max_prompt_tokens)
+            ds.append(Item(p.dataset, p.id, text, ids))
+        items[prompts[0].dataset] = ds
+    return items
+
+
+# ---- running -------------------------------------------------------------------------------
+def first_difference(a, b) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_exact(ctx, method, run: Run, ref: Run, item: Item) -> str | None:
+    """None if `run` equals the reference, else a message naming method, prompt and position."""
+    if run.tokens is None:  # text-only method: compare with the reference's decoded text
+        want = ctx.tokenizer.decode(ref.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        i = first_difference(run.text or "", want)
+        if i is None:
+            return None
+        return (f"{method} differs from the reference on {item.key} at character {i}: "
+                f"{(run.text or '')[i:i + 20]!r} vs {want[i:i + 20]!r}")
+    i = first_difference(run.tokens, ref.tokens)
+    if i is None:
+        return None
+    got = run.tokens[i] if i < len(run.tokens) else "end"
+    exp = ref.tokens[i] if i < len(ref.tokens) else "end"
+    return (f"{method} differs from the reference on {item.key} at output token {i} "
+            f"(got {got}, expected {exp}; {len(run.tokens)} vs {len(ref.tokens)} tokens)")
+
+
+def run_schedule(methods: dict, items: list[Item], params: SamplingParams, reference: str | None,
+                 ctx, mismatches: list[str], on_run=None, say=print) -> list[dict]:
+    """Every prompt, every method in turn; one record per (prompt, method)."""
+    records = []
+    for item in items:
+        runs = {}
+        for name, m in methods.items():
+            runs[name] = run = m.run(item, params)
+            rec = {"dataset": item.dataset, "prompt": item.id, "method": name, "prompt_tokens": len(item.ids),
+                   "run": run, "item": item}
+            records.append(rec)
+            if on_run:
+                on_run(rec)
+        if params.greedy and reference in runs:
+            for name, run in runs.items():
+                if name != reference and methods[name].lossless:
+                    msg = check_exact(ctx, name, run, runs[reference], item)
+                    if msg:
+                        say(f"MISMATCH: {msg}")
+                        mismatches.append(msg)
+                        for r in records[-len(runs):]:
+                            if r["method"] == name:
+                                r["mismatch"] = msg
+    return records
+
+
+def warm_up(methods: dict, items: list[Item], params: SamplingParams, ctx, rounds: int) -> None:
+    if rounds < 1 or not items:
+        return
+    text, ids = fit_prompt(ctx.tokenizer, items[0].text, ctx.chat, min(len(items[0].ids), 48))
+    short = Item("warmup", "0", text, ids)
+    p = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 8))
+    for _ in range(rounds):
+        for m in methods.values():
+            m.run(short, p)
+
+
+def prepare_methods(ctx, names: list[str], say=print) -> tuple[dict, dict[str, str]]:
+    methods, skipped = {}, {}
+    for name in names:
+        m = METHODS[name](ctx)
+        try:
+            m.prepare()
+        except MethodUnavailable as e:
+            skipped[name] = str(e)
+            say(f"skipping {name}: {e}")
+            continue
+        methods[name] = m
+    return methods, skipped
+
+
+def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
+    """Run the benchmark, write bench.json / bench.md / plots into cfg.out_dir, return the report.
+    Raises OutputMismatchError (after writing) if a lossless method's greedy output differs."""
+    from dflash_trt.bench import report, scaling
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = BenchContext(cfg, progress=progress)
+    methods: dict = {}
+    mismatches: list[str] = []
+    try:
+        items = build_items(ctx, cfg)
+        longest = max(len(i.ids) for ds in items.values() for i in ds)
+        ctx.max_seq_len = min(ctx.target.max_context(),
+                              max(longest, *(cfg.sweep_prompt_lengths or [0])) + cfg.max_new_tokens + 64)
+        params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                stop_token_ids=ctx.stop_ids, seed=cfg.seed)
+        methods, skipped = prepare_methods(ctx, cfg.methods, say)
+        if not methods:
+            raise DFlashError(f"no method can run here: {skipped}")
+        reference = "hf" if "hf" in methods else ("baseline" if "baseline" in methods else None)
+        with _quiet_transformers():
+            warm_up(methods, [i for ds in items.values() for i in ds], params, ctx, cfg.warmup)
+            records = []
+            for ds in items.values():
+                records += run_schedule(methods, ds, params, reference, ctx, mismatches, say=say,
+                                        on_run=lambda r: say(_progress_line(r)) if progress else None)
+            sampling = None if params.greedy else report.sample_divergence(ctx, records, reference)
+            sweeps = scaling.run_sweeps(ctx, cfg, methods, items, params, records, mismatches, say)
+        rep = report.build_report(cfg, ctx, records, list(methods), skipped, reference, mismatches, sampling, sweeps,
+                                  lossless={n for n, m in methods.items() if m.lossless})
+        report.write_outputs(rep, out, plots=cfg.plots, say=say)
+    finally:
+        for m in methods.values():
+            m.close()
+        ctx.close()
+    if mismatches:
+        raise OutputMismatchError(f"{len(mismatches)} greedy output mismatch(es); first: {mismatches[0]} "
+                                  f"(report in {out})")
+    return rep
+
+
+def _progress_line(rec: dict) -> str:
+    r = rec["run"]
+    dt = r.wall - r.ttft
+    tps = (r.num_output_tokens - 1) / dt if dt > 0 else 0.0
+    flag = "  MISMATCH" if rec.get("mismatch") else ""
+    return f"  {rec['dataset']}/{rec['prompt']:<8} {rec['method']:<17} {r.num_output_tokens:4d} tok {tps:8.1f} tok/s{flag}"
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

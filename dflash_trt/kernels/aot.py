@@ -1,0 +1,266 @@
+"""Ahead-of-time compilation of the DFlash Triton kernels to cubin + PTX for given GPU archs.
+
+Boundary: KernelSpec (which kernel, which specialisation) -> files on disk + manifest.json.
+Needs Triton (its wheel ships ptxas) but no GPU: triton.compile(ASTSource(...), target=
+GPUTarget("cuda", cc, 32)) lowers for any NVIDIA arch from a CPU-only machine. Under
+TRITON_INTERPRET=1 Triton's own @jit library (tl.max, tl.sum, ...) is interpreted and cannot be
+compiled, so compile_all then compiles in spawned worker processes with the interpreter off.
+
+Output layout (written to a temp dir next to out_dir, then renamed into place):
+  out_dir/manifest.json             one entry per (spec, arch): kernel, entry symbol, signature,
+                                    constexprs, arch, num_warps, shared mem, scratch, files+sha256
+  out_dir/<arch>/<spec>.ptx|.cubin  Triton's output
+  out_dir/<arch>/<spec>.trt.ptx     the PTX TensorRT's AOT plugins launch: Triton appends unused
+                                    global/profile scratch pointers to every entry, which TensorRT
+                                    (launching inputs, int32 extras, outputs) never passes, so they
+                                    are dropped from the entry signature (see strip_scratch_params)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import shutil
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+ARCHS = ("sm_90", "sm_100", "sm_120")
+MANIFEST = "manifest.json"
+_MOD = "dflash_trt.kernels."
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel specialisation failed to compile for an arch."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str  # unique artifact name, e.g. "block_attention_bf16_d128_paged_fp8"
+    kernel: str  # "module:attr" of the @triton.jit function (importable, so specs pickle)
+    types: dict  # runtime argument -> Triton type ("*bf16", "*i32", "i32", ...)
+    constexprs: dict  # tl.constexpr argument -> value
+    num_warps: int = 4
+    num_stages: int = 2
+    meta: dict = field(default_factory=dict)  # free-form facts for consumers (dtype, head_dim, ...)
+
+
+def _ptr(t: str) -> str:
+    return "*" + t
+
+
+def kv_inject_spec(dtype: str = "bf16", head_dim: int = 128, paged: bool = False, fp8: bool = False,
+                   eps: float = 1e-6, rope_scale: float = 1.0) -> KernelSpec:
+    c = "fp8e4nv" if fp8 else dtype
+    types = dict(h_ptr=_ptr(dtype), pos_ptr="*i32", nnew_ptr="*i32", wk_ptr=_ptr(dtype), wv_ptr=_ptr(dtype),
+                 knw_ptr=_ptr(dtype), invf_ptr="*fp32", bt_ptr="*i32", scale_ptr="*fp32",
+                 kin_ptr=_ptr(c), vin_ptr=_ptr(c), N="i32", DM="i32", HKV="i32", NSEQ="i32", S="i32",
+                 MAXP="i32", kout_ptr=_ptr(c), vout_ptr=_ptr(c))
+    const = dict(D=head_dim, BLOCK_T=16, BLOCK_K=64, EPS=float(eps), ROPE_SCALE=float(rope_scale),
+                 PAGED=paged, FP8=fp8, INTERPRET=False)
+    name = f"kv_inject_{dtype}_d{head_dim}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}"
+    return KernelSpec(name, _MOD + "inject:kv_inject_kernel", types, const,
+                      meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, block_t=16))
+
+
+def attention_spec(dtype: str = "bf16", head_dim: int = 128, paged: bool = False, fp8: bool = False,
+                   block_size: int = 16) -> KernelSpec:
+    c = "fp8e4nv" if fp8 else dtype
+    types = dict(q_ptr=_ptr(dtype), kb_ptr=_ptr(dtype), vb_ptr=_ptr(dtype), kc_ptr=_ptr(c), vc_ptr=_ptr(c),
+                 ctx_ptr="*i32", bt_ptr="*i32", scale_ptr="*fp32", H="i32", HKV="i32", B="i32",
+                 NSEQ="i32", S="i32", MAXP="i32", LAYER="i32", o_ptr=_ptr(dtype))
+    block_b = max(16, 1 << (block_size - 1).bit_length())
+    # BLOCK_N 32 at head_dim 128 keeps shared memory under the 48 KiB default launch limit
+    const = dict(D=head_dim, BLOCK_M=64, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_B=block_b,
+                 SM_SCALE=head_dim ** -0.5, PAGED=paged, FP8=fp8, INTERPRET=False)
+    name = f"block_attention_{dtype}_d{head_dim}_b{block_b}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}"
+    return KernelSpec(name, _MOD + "attention:block_attention_kernel", types, const,
+                      meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, max_block_size=block_b,
+                                block_m=64))
+
+
+def greedy_spec(logits_dtype: str | None = None) -> KernelSpec:
+    """Token ids are int32; logits_dtype None means the target argmax is an input."""
+    t = _ptr(logits_dtype) if logits_dtype else "*i32"
+    types = dict(draft_ptr="*i32", t_ptr=t, B="i32", V="i32", acc_ptr="*i32", bonus_ptr="*i32")
+    const = dict(BLOCK_B=32, BLOCK_V=256, FROM_LOGITS=logits_dtype is not None)
+    name = f"greedy_accept_{'logits_' + logits_dtype if logits_dtype else 'argmax'}"
+    return KernelSpec(name, _MOD + "accept:greedy_accept_kernel", types, const, num_warps=8,
+                      meta=dict(max_block_size=32))
+
+
+def rejection_spec(prob_dtype: str = "fp32") -> KernelSpec:
+    types = dict(draft_ptr="*i32", p_ptr=_ptr(prob_dtype), q_ptr=_ptr(prob_dtype), ua_ptr="*fp32",
+                 us_ptr="*fp32", B="i32", V="i32", acc_ptr="*i32", bonus_ptr="*i32")
+    return KernelSpec(f"rejection_accept_{prob_dtype}", _MOD + "accept:rejection_accept_kernel", types,
+                      dict(BLOCK_B=32, BLOCK_V=1024), num_warps=4, meta=dict(max_block_size=32))
+
+
+def default_specs() -> list[KernelSpec]:
+    """The fixed set `dflash-trt plugins compile` ships: 16-bit models at head_dim 64/128,
+    contiguous and paged caches, fp8 caches for bf16 models, block size up to 16."""
+    specs = []
+    for dt in ("bf16", "fp16"):
+        for d in (64, 128):
+            for paged in (False, True):
+                for fp8 in ((False, True) if dt == "bf16" else (False,)):
+                    specs.append(kv_inject_spec(dt, d, paged, fp8))
+                    specs.append(attention_spec(dt, d, paged, fp8, block_size=16))
+    specs += [greedy_spec(None), greedy_spec("fp32"), greedy_spec("bf16"), rejection_spec("fp32")]
+    return specs
+
+
+def arch_number(arch: str | int) -> int:
+    """'sm_90' / 'sm_90a' / '90' / 90 -> 90."""
+    s = str(arch).lower().removeprefix("sm_").rstrip("af")
+    if not s.isdigit():
+        raise ValueError(f"bad arch {arch!r}; expected e.g. 'sm_90'")
+    return int(s)
+
+
+def resolve_kernel(ref):
+    """'module:attr' (or a kernel object) -> a JITFunction, also under TRITON_INTERPRET=1."""
+    from triton.runtime.jit import JITFunction
+
+    fn = ref
+    if isinstance(ref, str):
+        mod, _, attr = ref.partition(":")
+        fn = getattr(importlib.import_module(mod), attr)
+    if not isinstance(fn, JITFunction):  # the interpreter's InterpretedFunction wraps the Python function
+        fn = JITFunction(fn.fn)
+    return fn
+
+
+def compile_spec(spec: KernelSpec, arch: str | int):
+    """Compile one specialisation for one arch; returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = resolve_kernel(spec.kernel)
+    missing = [a for a in fn.arg_names if a not in spec.types and a not in spec.constexprs]
+    if missing:
+        raise KernelCompileError(f"{spec.name}: no type or value for arguments {missing}")
+    if _interpreting():
+        raise KernelCompileError("cannot compile in a process with TRITON_INTERPRET=1 (Triton's library "
+                                 "functions are interpreted there); use compile_all, which spawns workers")
+    signature = {a: ("constexpr" if a in spec.constexprs else spec.types[a]) for a in fn.arg_names}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=dict(spec.constexprs))
+    opts = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, enable_fp_fusion=True)
+    return triton.compile(src, target=GPUTarget("cuda", arch_number(arch), 32), options=opts)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _worker_init() -> None:
+    """Spawned compile workers: real compilation, never the interpreter (set before importing triton)."""
+    import sys
+
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before the compile worker could turn TRITON_INTERPRET off")
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
+def strip_scratch_params(ptx: str, entry: str, n_args: int) -> str:
+    """PTX whose `.entry <entry>` takes exactly its first n_args parameters.
+
+    Triton (>= 3.3) appends global_scratch and profile_scratch pointers after the kernel's own
+    arguments; a kernel that uses no scratch never reads them. Raises ValueError if a dropped
+    parameter is referenced in the body or the entry has fewer than n_args parameters.
+    """
+    m = re.search(r"\.entry " + re.escape(entry) + r"\(\n(.*?)\n\)", ptx, re.S)
+    if m is None:
+        raise ValueError(f"no .entry {entry}( ... ) in the PTX")
+    params = m.group(1).split(",\n")
+    if len(params) < n_args:
+        raise ValueError(f"{entry} has {len(params)} PTX parameters, expected at least {n_args}")
+    for p in params[n_args:]:
+        name = p.split()[-1]
+        if re.search(r"\b" + re.escape(name) + r"\b", ptx[m.end():]):
+            raise ValueError(f"{entry}: trailing parameter {name} is used; cannot drop it")
+    return ptx[:m.start(1)] + ",\n".join(params[:n_args]) + ptx[m.end(1):]
+
+
+def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
+    """Worker: compile, write <root>/<arch>/<spec>.{ptx,cubin,trt.ptx}, return the manifest entry."""
+    try:
+        ck = compile_spec(spec, arch)
+    except KernelCompileError:
+        raise
+    except Exception as e:  # Triton raises CompilationError, RuntimeError (ptxas), ...
+        raise KernelCompileError(f"{spec.name} failed to compile for {arch}: {type(e).__name__}: {e}") from None
+    md = ck.metadata
+    try:
+        trt_ptx = strip_scratch_params(ck.asm["ptx"], md.name, len(spec.types)).encode()
+    except ValueError as e:
+        raise KernelCompileError(f"{spec.name} for {arch}: {e}") from None
+    files = {}
+    for ext, data in (("ptx", ck.asm["ptx"].encode()), ("cubin", bytes(ck.asm["cubin"])), ("trt.ptx", trt_ptx)):
+        rel = f"{arch}/{spec.name}.{ext}"
+        Path(root, rel).write_bytes(data)
+        files[ext] = {"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return {
+        "name": spec.name, "kernel": spec.kernel.rpartition(":")[2], "entry": md.name, "arch": arch,
+        "signature": dict(spec.types), "constexprs": dict(spec.constexprs),
+        "num_warps": md.num_warps, "num_stages": spec.num_stages, "threads_per_block": md.num_warps * 32,
+        "shared_mem": md.shared, "global_scratch_size": getattr(md, "global_scratch_size", 0),
+        "profile_scratch_size": getattr(md, "profile_scratch_size", 0), "meta": dict(spec.meta), "files": files,
+    }
+
+
+def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs: list[KernelSpec] | None = None,
+                jobs: int = 1) -> Path:
+    """Compile every spec (default_specs()) for every arch into out_dir; returns the manifest path.
+
+    Any failure raises KernelCompileError and leaves out_dir untouched. jobs > 1 (and any call
+    under TRITON_INTERPRET=1) compiles in that many spawned processes, so specs must name
+    importable kernels and scripts calling this need the usual `if __name__ == "__main__":` guard.
+    """
+    import triton
+
+    specs = default_specs() if specs is None else list(specs)
+    archs = [f"sm_{arch_number(a)}" for a in archs]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("spec names must be unique")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        for a in archs:
+            (tmp / a).mkdir(parents=True)
+        work = [(s, a) for a in archs for s in specs]
+        if jobs > 1 or _interpreting():
+            with ProcessPoolExecutor(max(1, jobs), mp_context=get_context("spawn"), initializer=_worker_init) as pool:
+                entries = list(pool.map(_compile_to_files, *zip(*work), [str(tmp)] * len(work)))
+        else:
+            entries = [_compile_to_files(s, a, str(tmp)) for s, a in work]
+        manifest = {"format": 1, "triton_version": triton.__version__, "archs": archs,
+                    "specs": [asdict(s) for s in specs], "kernels": entries}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / MANIFEST
+
+
+def load_manifest(out_dir: str | os.PathLike, verify: bool = True) -> dict:
+    """Read manifest.json; with verify, check every file's sha256 (raises ValueError on mismatch)."""
+    root = Path(out_dir)
+    manifest = json.loads((root / MANIFEST).read_text())
+    if verify:
+        for e in manifest["kernels"]:
+            for f in e["files"].values():
+                if hashlib.sha256((root / f["path"]).read_bytes()).hexdigest() != f["sha256"]:
+                    raise ValueError(f"{f['path']}: sha256 mismatch")
+    return manifest

@@ -1,0 +1,26 @@
+"""Serving DFlash with NVIDIA Triton Inference Server (Python backend).
+
+Model repository (templates in model_repo/, filled by repo.fill_model_repo):
+
+  dflash          decoupled engine model: token ids in, cumulative output ids + acceptance
+                  statistics out; one background thread runs continuous batching
+                  (orchestrator.py) over SpecEngine; custom dflash_* metrics.
+  dflash_bls      decoupled text front door (gRPC streaming API): tokenizes in-process, drives
+                  `dflash` through BLS, detokenises incrementally, propagates cancellation.
+  dflash_unary    the same front door, not decoupled: unary gRPC `infer` and HTTP clients.
+  ensemble        preprocessing -> dflash -> postprocessing with tensorrtllm_backend's inputs.
+  preprocessing / postprocessing   the ensemble's tokenizer steps.
+
+Why three text front doors (measured on Triton 2.51): an ensemble that contains a decoupled
+step is itself decoupled, so unary `infer` rejects it ("ModelInfer RPC doesn't support models
+with decoupled transaction policy"); a client's cancellation does not reach a running
+ensemble step, so a disconnected stream would run to max_tokens; and an ensemble step may not
+mix ensemble inputs with a decoupled step's outputs. Hence streaming clients use `dflash_bls`,
+unary clients `dflash_unary`, and `ensemble` stays for tensorrtllm_backend-style clients.
+All three return the same text: streamed chunks concatenate exactly to the non-streamed text.
+
+Modules: server.py (start/stop tritonserver, `serve`), repo.py (fill templates), client.py
+(DFlashClient), text.py (tokenizer, exact incremental detokenisation), protocol.py (request
+validation, tensors), orchestrator.py (step loop), triton_dflash.py / triton_text.py (the
+Python-backend models; importable only inside Triton's stub).
+"""

@@ -1,0 +1,59 @@
+"""`dflash-trt serve` and `dflash-trt client`: thin shells over serving/server.py and client.py."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from dflash_trt.cli import friendly_errors
+
+
+def register(main: click.Group) -> None:
+    @main.command()
+    @click.option("--model-repo", default=None, help="A filled model repository (from `dflash-trt build`).")
+    @click.option("--target", default=None, help="Or: target name/folder, to fill a repository on the fly.")
+    @click.option("--drafter", "drafter_dir", default=None, help="Drafter folder (with --target).")
+    @click.option("--out", default=None, help="Where to write the on-the-fly repository (default: a temp dir).")
+    @click.option("--grpc-port", default=8001, show_default=True, type=int)
+    @click.option("--http-port", default=8000, show_default=True, type=int)
+    @click.option("--metrics-port", default=8002, show_default=True, type=int)
+    @friendly_errors
+    def serve(model_repo, target, drafter_dir, out, grpc_port, http_port, metrics_port):
+        """Start Triton Inference Server on 127.0.0.1 with the DFlash models; Ctrl-C stops it."""
+        import tempfile
+
+        from dflash_trt.errors import DFlashError
+        from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+        from dflash_trt.serving.server import serve as run
+
+        if model_repo is None:
+            if not (target and drafter_dir):
+                raise DFlashError("give --model-repo DIR, or --target and --drafter to build one on the fly")
+            from dflash_trt.pipeline import resolve_target_dir
+
+            out = out or tempfile.mkdtemp(prefix="dflash-repo-")
+            model_repo = fill_model_repo(default_template_dir(), out,
+                                         default_values(resolve_target_dir(target), drafter_dir))
+        raise SystemExit(run(model_repo, grpc_port, http_port, metrics_port, echo=click.echo))
+
+    @main.command()
+    @click.option("--url", default="127.0.0.1:8001", show_default=True)
+    @click.option("--prompt", required=True)
+    @click.option("--stream", is_flag=True, help="Stream tokens as they are accepted.")
+    @click.option("--max-tokens", default=128, show_default=True, type=int)
+    @click.option("--temperature", default=0.0, show_default=True, type=float)
+    @click.option("--json", "as_json", is_flag=True)
+    @friendly_errors
+    def client(url, prompt, stream, max_tokens, temperature, as_json):
+        """Send one request to a running `dflash-trt serve` over gRPC."""
+        from dflash_trt.serving.client import DFlashClient
+
+        c = DFlashClient(url)
+        if stream:
+            for chunk in c.stream(prompt, max_tokens=max_tokens, temperature=temperature):
+                click.echo(chunk.get("text_output", "") if isinstance(chunk, dict) else chunk, nl=False)
+            click.echo()
+            return
+        res = c.generate(prompt, max_tokens=max_tokens, temperature=temperature)
+        click.echo(json.dumps(res) if as_json else res.get("text_output", res))

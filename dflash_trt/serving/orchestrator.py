@@ -1,0 +1,295 @@
+"""The engine model's scheduler: one background thread runs SpecEngine steps over a live batch.
+
+Boundary: continuous batching and request lifecycle, independent of Triton. Requests arrive
+from any thread through `submit()` with a Sink (Triton's response sender in production, a list in
+tests); between two engine steps the loop admits waiting requests (one batched prefill, up to
+`max_batch` running), drops cancelled ones, and sends each request what its last step accepted
+(streaming) or everything at the end. Only the loop thread touches the engine. A request that
+the engine rejects gets an error on its own sink and never affects the others; an unexpected
+engine failure fails the running requests and starts a fresh engine.
+
+Stop sequences of several tokens are matched here, on the output ids (single stop tokens are
+the engine's). Metrics go to an optional object with the hooks of `NullMetrics`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.serving.protocol import Progress, TokenRequest
+
+log = logging.getLogger("dflash_trt.serving")
+
+
+class Sink(Protocol):
+    def is_cancelled(self) -> bool: ...
+    def send(self, progress: Progress, final: bool) -> None: ...
+    def error(self, message: str) -> None: ...  # an error response that also ends the request
+    def close(self) -> None: ...  # end without data (the client is gone)
+
+
+class NullMetrics:
+    def request(self) -> None: ...
+    def step(self, verify_steps: int, draft_tokens: int, accepted_tokens: int, output_tokens: int) -> None: ...
+    def finished(self, progress: Progress) -> None: ...
+    def cancelled(self) -> None: ...
+    def running(self, n: int) -> None: ...
+
+
+@dataclass
+class _Job:
+    key: str
+    req: TokenRequest
+    sink: Sink
+    arrived: float = field(default_factory=time.perf_counter)
+    output: list[int] = field(default_factory=list)
+    sent: int = 0
+    first_token: float | None = None
+    seen: tuple[int, int, int] = (0, 0, 0)  # verify steps, draft tokens, accepted tokens already counted
+    stats: object = None
+    finish_reason: str = ""
+
+    def progress(self, num_prev: int, perf: dict | None = None) -> Progress:
+        s = self.stats
+        return Progress(list(self.output), num_prev, self.finish_reason, len(self.req.prompt_ids),
+                        getattr(s, "num_draft_tokens", 0), getattr(s, "num_accepted_draft_tokens", 0),
+                        getattr(s, "num_verify_steps", 0), perf)
+
+
+class Orchestrator:
+    def __init__(self, engine_factory: Callable[[], object], metrics=None, idle_wait: float = 0.05):
+        self._factory = engine_factory
+        self.engine = engine_factory()
+        self.metrics = metrics or NullMetrics()
+        self.idle_wait = idle_wait
+        self._cv = threading.Condition()
+        self._inbox: deque[_Job] = deque()
+        self._cancel_keys: set[str] = set()
+        self._waiting: deque[_Job] = deque()
+        self._running: dict[str, _Job] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-step-loop", daemon=True)
+
+    # ---- any thread ---------------------------------------------------------------------
+    def start(self) -> "Orchestrator":
+        self._thread.start()
+        return self
+
+    def submit(self, req: TokenRequest, sink: Sink) -> None:
+        """Queue a request; errors detectable now are sent on its sink at once."""
+        eng = self.engine
+        n, limit = len(req.prompt_ids), eng.max_seq_len
+        if n >= limit:
+            sink.error(f"text_input: prompt has {n} tokens but the context is max_seq_len={limit}; "
+                       f"shorten the prompt or raise max_seq_len")
+            return
+        vocab = eng.target.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            sink.error(f"input_ids: token ids {bad[:4]} outside the vocabulary 0..{vocab - 1}")
+            return
+        key = req.request_key or f"req-{next(self._ids)}"
+        self.metrics.request()
+        with self._cv:
+            if self._stop:
+                sink.error("server is shutting down")
+                return
+            self._inbox.append(_Job(key, req, sink))
+            self._cv.notify()
+
+    def cancel(self, key: str) -> None:
+        with self._cv:
+            self._cancel_keys.add(key)
+            self._cv.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---- loop thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not (self._stop or self._inbox or self._cancel_keys or self._waiting or self._running):
+                    self._cv.wait(self.idle_wait)
+                if self._stop:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                cancel, self._cancel_keys = self._cancel_keys, set()
+            try:
+                self._drop_cancelled(cancel)
+                self._admit()
+                if self.engine.has_unfinished():
+                    self._step()
+            except Exception as e:  # an engine bug must not kill the loop: fail the batch, start over
+                log.exception("engine step failed")
+                self._fail_running(f"engine step failed: {type(e).__name__}: {e}")
+                self.engine = self._factory()
+            self.metrics.running(len(self._running))
+        for job in list(self._waiting) + list(self._running.values()) + list(self._inbox):
+            self._safe(job, lambda j: j.sink.error("server is shutting down"))
+        self._waiting.clear()
+        self._running.clear()
+
+    def _safe(self, job: _Job, fn) -> bool:
+        try:
+            fn(job)
+            return True
+        except Exception:  # the sender is gone (client disconnected): treat as cancelled
+            log.warning("request %s: sending failed; dropping it", job.key, exc_info=True)
+            return False
+
+    def _cancelled(self, job: _Job, keys: set[str]) -> bool:
+        if job.key in keys:
+            return True
+        try:
+            return bool(job.sink.is_cancelled())
+        except Exception:
+            return True
+
+    def _drop_cancelled(self, keys: set[str]) -> None:
+        for job in [j for j in self._waiting if self._cancelled(j, keys)]:
+            self._waiting.remove(job)
+            self._end_cancelled(job, explicit=job.key in keys)
+        for job in [j for j in self._running.values() if self._cancelled(j, keys)]:
+            self.engine.cancel(job.key)
+            del self._running[job.key]
+            self._end_cancelled(job, explicit=job.key in keys)
+
+    def _end_cancelled(self, job: _Job, explicit: bool) -> None:
+        job.finish_reason = "cancelled"
+        self.metrics.cancelled()
+        if explicit:  # the front door that started it still listens: give it a proper end
+            self._safe(job, lambda j: j.sink.send(j.progress(j.sent if j.req.sampling.stream else 0), True))
+        else:
+            self._safe(job, lambda j: j.sink.close())
+
+    def _admit(self) -> None:
+        free = self.engine.max_batch - len(self._running)
+        if free <= 0 or not self._waiting:
+            return
+        jobs = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        try:  # one batched prefill; the engine validates every item before touching its state
+            self.engine.add_requests([(j.key, j.req.prompt_ids, j.req.sampling.to_params()) for j in jobs])
+            self._running.update((j.key, j) for j in jobs)
+            return
+        except DFlashError:
+            pass  # a bad request (or a duplicate key) among them: add one at a time
+        except Exception as e:
+            for j in jobs:
+                self._safe(j, lambda j, e=e: j.sink.error(f"prefill failed: {type(e).__name__}: {e}"))
+            raise
+        for j in jobs:
+            try:
+                self.engine.add_request(j.key, j.req.prompt_ids, j.req.sampling.to_params())
+                self._running[j.key] = j
+            except Exception as e:  # DFlashError names the bad field; anything else is still this request's
+                msg = str(e) if isinstance(e, DFlashError) else f"prefill failed: {type(e).__name__}: {e}"
+                self._safe(j, lambda j, m=msg: j.sink.error(m))
+
+    def _step(self) -> None:
+        now = time.perf_counter()
+        for out in self.engine.step():
+            job = self._running.get(out.request_id)
+            if job is None:  # ended here already (stop sequence, cancel)
+                continue
+            job.stats = out.stats
+            job.output.extend(out.new_token_ids)
+            if out.new_token_ids and job.first_token is None:
+                job.first_token = now
+            if out.finished:
+                job.finish_reason = out.finish_reason or "stop"
+            elif self._hit_stop_sequence(job, len(job.output) - len(out.new_token_ids)):
+                job.finish_reason = "stop"
+                self.engine.cancel(job.key)
+            self._count(job, len(out.new_token_ids))
+            if job.finish_reason:
+                del self._running[job.key]
+                self._finish(job)
+            elif job.req.sampling.stream and len(job.output) > job.sent:
+                if self._safe(job, lambda j: j.sink.send(j.progress(j.sent), False)):
+                    job.sent = len(job.output)
+                else:
+                    self.engine.cancel(job.key)
+                    del self._running[job.key]
+
+    def _hit_stop_sequence(self, job: _Job, start: int) -> bool:
+        """Does a stop sequence end at a position >= start? Truncate the output after it."""
+        best = None
+        for seq in job.req.stop_sequences:
+            n = len(seq)
+            for end in range(max(start, n - 1), len(job.output)):
+                if job.output[end - n + 1:end + 1] == seq:
+                    best = end if best is None else min(best, end)
+                    break
+        if best is None:
+            return False
+        del job.output[best + 1:]
+        return True
+
+    def _count(self, job: _Job, new_tokens: int) -> None:
+        s = job.stats
+        now = (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_draft_tokens)
+        d = [a - b for a, b in zip(now, job.seen)]
+        job.seen = now
+        self.metrics.step(d[0], d[1], d[2], new_tokens)
+
+    def _finish(self, job: _Job) -> None:
+        perf = None
+        if job.req.sampling.return_perf_metrics:
+            s, end = job.stats, time.perf_counter()
+            perf = {"e2e_time": end - job.arrived,
+                    "time_to_first_token": (job.first_token or end) - job.arrived,
+                    "prefill_time": s.prefill_time, "draft_time": s.draft_time, "verify_time": s.verify_time,
+                    "accept_hist": list(s.accept_hist), "block_size": s.block_size}
+        p = job.progress(job.sent if job.req.sampling.stream else 0, perf)
+        self.metrics.finished(p)
+        self._safe(job, lambda j: j.sink.send(p, True))
+
+    def _fail_running(self, message: str) -> None:
+        for job in list(self._running.values()):
+            self._safe(job, lambda j: j.sink.error(message))
+        self._running.clear()
+
+
+def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str = "torch", max_batch: int = 16,
+                        max_seq_len: int = 2048, dtype: str = "auto") -> Callable[[], object]:
+    """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
+    failure). Missing or mismatched folders raise DFlashError naming the file."""
+    from pathlib import Path
+
+    from dflash_trt.pipeline import parse_dtype
+
+    if engine_backend != "torch":
+        raise DFlashError(f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
+                          f"(TensorRT-LLM engines are served by their own backend)")
+    if max_batch < 1 or max_seq_len < 2:
+        raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
+    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.spec.engine import SpecEngine
+
+    target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
+    if not (target_dir / "config.json").is_file():
+        raise DFlashError(f"target_dir: {target_dir / 'config.json'} not found (expected a Hugging Face model folder)")
+    if not (drafter_dir / "config.json").is_file():
+        raise DFlashError(f"drafter_dir: {drafter_dir / 'config.json'} not found (expected a DFlash drafter folder)")
+    target = TargetModel.from_pretrained(target_dir, dtype=parse_dtype(dtype))
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target).eval()
+    return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len)

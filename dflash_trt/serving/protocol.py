@@ -1,0 +1,251 @@
+"""Request parsing, validation and response tensors of the serving models (no Triton imports).
+
+Boundary: the tensor-level contract of the model repository. Every model has
+`max_batch_size > 0` (tensorrtllm_backend convention), so each tensor carries a leading batch
+dimension, which must be 1 for generation requests: a client sends `text_input` as [1, 1],
+`input_ids` as [1, L]. Getters passed in here return the numpy array of an input or None.
+
+Text front doors (`ensemble`, `dflash_bls`, `dflash_unary`) take TEXT_INPUTS; the engine model
+`dflash` takes TOKEN_INPUTS (ids instead of text, stop words as flattened token sequences, plus
+`request_key` / `cancel_key` so a front door can cancel what it started). Every bad field raises
+RequestError naming the field; the caller turns it into an error response for that request only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import DFlashError
+
+Getter = Callable[[str], Optional[np.ndarray]]
+
+# name -> (Triton type, required) for the text front doors; the ensemble's config lists the same.
+TEXT_INPUTS = {
+    "text_input": ("TYPE_STRING", True), "max_tokens": ("TYPE_INT32", True), "stream": ("TYPE_BOOL", False),
+    "temperature": ("TYPE_FP32", False), "top_k": ("TYPE_INT32", False), "top_p": ("TYPE_FP32", False),
+    "seed": ("TYPE_UINT64", False), "stop_words": ("TYPE_STRING", False), "end_id": ("TYPE_INT32", False),
+    "exclude_input_in_output": ("TYPE_BOOL", False), "return_perf_metrics": ("TYPE_BOOL", False),
+    "apply_chat_template": ("TYPE_BOOL", False),
+}
+# outputs of every text front door (one response per step when streaming, else one in all)
+TEXT_OUTPUTS = ("text_output", "finish_reason", "acceptance_rate", "acceptance_length", "total_accepted_draft_tokens",
+                "total_draft_tokens", "num_input_tokens", "num_output_tokens", "perf_metrics")
+
+
+class RequestError(DFlashError):
+    """A request field is missing or out of range; the message starts with the field name."""
+
+
+def _one(get: Getter, name: str):
+    a = get(name)
+    if a is None:
+        return None
+    a = np.asarray(a)
+    if a.size != 1:
+        raise RequestError(f"{name}: expected one value per request (shape [1, 1]), got shape {list(a.shape)}")
+    return a.reshape(-1)[0]
+
+
+def _str(v, name: str) -> str:
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"{name}: not valid UTF-8") from None
+    return str(v)
+
+
+def _strings(get: Getter, name: str) -> list[str]:
+    a = get(name)
+    if a is None:
+        return []
+    return [_str(v, name) for v in np.asarray(a).reshape(-1)]
+
+
+def _int(get: Getter, name: str, default):
+    v = _one(get, name)
+    return default if v is None else int(v)
+
+
+def _float(get: Getter, name: str, default):
+    v = _one(get, name)
+    return default if v is None else float(v)
+
+
+def _bool(get: Getter, name: str, default):
+    v = _one(get, name)
+    return default if v is None else bool(v)
+
+
+@dataclass
+class Sampling:
+    """Fields shared by both request kinds, validated with the messages users see."""
+
+    max_tokens: int
+    stream: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    end_id: int | None = None  # replaces the model's EOS; -1 = never stop on EOS
+    return_perf_metrics: bool = False
+
+    def to_params(self, stop_token_ids=()) -> SamplingParams:
+        stops = tuple(stop_token_ids)
+        ignore_eos = self.end_id is not None
+        if self.end_id is not None and self.end_id >= 0:
+            stops += (self.end_id,)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_new_tokens=self.max_tokens, stop_token_ids=stops, seed=self.seed,
+                              ignore_eos=ignore_eos)
+
+
+def parse_sampling(get: Getter) -> Sampling:
+    max_tokens = _int(get, "max_tokens", None)
+    if max_tokens is None:
+        raise RequestError("max_tokens: required input missing (how many tokens to generate)")
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens={max_tokens}: must be >= 1")
+    s = Sampling(max_tokens=max_tokens, stream=_bool(get, "stream", False),
+                 temperature=_float(get, "temperature", 0.0), top_k=_int(get, "top_k", 0),
+                 top_p=_float(get, "top_p", 1.0), seed=_int(get, "seed", None), end_id=_int(get, "end_id", None),
+                 return_perf_metrics=_bool(get, "return_perf_metrics", False))
+    if not np.isfinite(s.temperature) or s.temperature < 0:
+        raise RequestError(f"temperature={s.temperature}: must be >= 0 (0 is greedy)")
+    if s.top_k < 0:
+        raise RequestError(f"top_k={s.top_k}: must be >= 0 (0 disables top-k)")
+    if not (0.0 < s.top_p <= 1.0):
+        raise RequestError(f"top_p={s.top_p}: must be in (0, 1] (1 disables top-p)")
+    if s.end_id is not None and s.end_id < -1:
+        raise RequestError(f"end_id={s.end_id}: must be a token id, or -1 to ignore EOS")
+    return s
+
+
+@dataclass
+class TextRequest:
+    text: str
+    sampling: Sampling
+    stop_words: list[str] = field(default_factory=list)
+    exclude_input_in_output: bool = True
+    apply_chat_template: bool | None = None  # None: the model's default
+
+
+def parse_prompt(get: Getter) -> tuple[str, list[str], bool | None]:
+    """text_input, stop_words, apply_chat_template (what the preprocessing model needs)."""
+    v = _one(get, "text_input")
+    if v is None:
+        raise RequestError("text_input: required input missing (the prompt, STRING shape [1, 1])")
+    text = _str(v, "text_input")
+    if not text:
+        raise RequestError("text_input: empty prompt")
+    return text, _strings(get, "stop_words"), _bool(get, "apply_chat_template", None)
+
+
+def parse_text_request(get: Getter) -> TextRequest:
+    text, stop_words, chat = parse_prompt(get)
+    return TextRequest(text, parse_sampling(get), stop_words, _bool(get, "exclude_input_in_output", True), chat)
+
+
+@dataclass
+class TokenRequest:
+    prompt_ids: list[int]
+    sampling: Sampling
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    request_key: str | None = None
+    exclude_input_in_output: bool = True  # False: output_ids start with the prompt ids (TensorRT-LLM style)
+
+
+@dataclass
+class CancelRequest:
+    key: str
+
+
+def parse_token_request(get: Getter) -> TokenRequest | CancelRequest:
+    from dflash_trt.serving.text import split_stop_sequences
+
+    cancel = _one(get, "cancel_key")
+    if cancel is not None:
+        return CancelRequest(_str(cancel, "cancel_key"))
+    ids = get("input_ids")
+    if ids is None:
+        raise RequestError("input_ids: required input missing (prompt token ids, INT32 shape [1, L])")
+    ids = np.asarray(ids)
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise RequestError(f"input_ids: one prompt per request (shape [1, L]), got shape {list(ids.shape)}")
+    prompt = [int(t) for t in ids.reshape(-1)]
+    if not prompt:
+        raise RequestError("input_ids: empty prompt")
+    stops = get("stop_sequences")
+    key = _one(get, "request_key")
+    stop_sequences = split_stop_sequences(stops.reshape(-1)) if stops is not None else []
+    return TokenRequest(prompt, parse_sampling(get), stop_sequences,
+                        _str(key, "request_key") if key is not None else None,
+                        _bool(get, "exclude_input_in_output", True))
+
+
+# ---- responses -------------------------------------------------------------------------------
+@dataclass
+class Progress:
+    """What the engine model reports for a request: all ids so far and the running statistics."""
+
+    output_ids: list[int]
+    num_prev: int  # ids earlier responses already carried
+    finish_reason: str  # "" while running; "stop" | "length" | "cancelled"
+    num_input_tokens: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_verify_steps: int
+    perf: dict | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        s = self.num_verify_steps
+        return (self.num_accepted_draft_tokens + s) / s if s else 0.0
+
+
+def token_outputs(p: Progress, prefix_ids=()) -> dict[str, np.ndarray]:
+    """Tensors of one engine response; prefix_ids (the prompt) lead output_ids when given, and
+    num_prev_tokens then counts them too (after the first response)."""
+    prefix = list(prefix_ids)
+    return {
+        "output_ids": np.array([prefix + p.output_ids], dtype=np.int32).reshape(1, -1),
+        "num_prev_tokens": np.array([[p.num_prev + len(prefix) if p.num_prev else 0]], dtype=np.int32),
+        "finish_reason": np.array([[p.finish_reason.encode()]], dtype=object),
+        "num_input_tokens": np.array([[p.num_input_tokens]], dtype=np.int32),
+        "num_output_tokens": np.array([[len(p.output_ids)]], dtype=np.int32),
+        "total_draft_tokens": np.array([[p.num_draft_tokens]], dtype=np.int32),
+        "total_accepted_draft_tokens": np.array([[p.num_accepted_draft_tokens]], dtype=np.int32),
+        "num_verify_steps": np.array([[p.num_verify_steps]], dtype=np.int32),
+        "acceptance_rate": np.array([[p.acceptance_rate]], dtype=np.float32),
+        "acceptance_length": np.array([[p.acceptance_length]], dtype=np.float32),
+        "perf_metrics": np.array([[json.dumps(p.perf).encode() if p.perf else b""]], dtype=object),
+    }
+
+
+def progress_from(get: Getter) -> Progress:
+    """Inverse of token_outputs (front doors read the engine model's responses with it)."""
+    perf = _str(_one(get, "perf_metrics") or b"", "perf_metrics")
+    return Progress(output_ids=[int(t) for t in np.asarray(get("output_ids")).reshape(-1)],
+                    num_prev=_int(get, "num_prev_tokens", 0),
+                    finish_reason=_str(_one(get, "finish_reason"), "finish_reason"),
+                    num_input_tokens=_int(get, "num_input_tokens", 0),
+                    num_draft_tokens=_int(get, "total_draft_tokens", 0),
+                    num_accepted_draft_tokens=_int(get, "total_accepted_draft_tokens", 0),
+                    num_verify_steps=_int(get, "num_verify_steps", 0),
+                    perf=json.loads(perf) if perf else None)
+
+
+def text_outputs(text: str, p: Progress) -> dict[str, np.ndarray]:
+    out = token_outputs(p)
+    keep = {k: out[k] for k in TEXT_OUTPUTS if k in out}
+    keep["text_output"] = np.array([[text.encode("utf-8")]], dtype=object)
+    return keep

@@ -1,0 +1,125 @@
+"""Fill the model-repository templates (`model_repo/`) into a Triton model repository.
+
+Boundary: files only. Templates use tensorrtllm_backend's `fill_template.py` style: `${name}`
+placeholders in config.pbtxt files; every other file (model.py, version folders) is copied as is.
+`fill_model_repo` refuses to write a repository with an unfilled placeholder (the error names
+each missing one and its file), writes into a temp folder beside the destination and renames it
+into place, so a failed fill never leaves a half-written repository.
+
+Placeholders: target_dir, drafter_dir, tokenizer_dir, engine_backend, max_batch, max_seq_len,
+dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads
+(`default_values()`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+TEMPLATE_SUFFIXES = (".pbtxt",)
+
+
+def default_template_dir() -> Path:
+    """The repository's model_repo/ folder (next to the dflash_trt package in a source checkout)."""
+    p = Path(__file__).resolve().parents[2] / "model_repo"
+    if not p.is_dir():
+        raise DFlashError(f"{p}: model_repo templates not found; pass the template folder explicitly")
+    return p
+
+
+def default_values(target_dir: str | Path, drafter_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                   **overrides) -> dict[str, str]:
+    """Template values for a torch-engine repository; paths are made absolute."""
+    values = {
+        "target_dir": Path(target_dir).resolve(),
+        "drafter_dir": Path(drafter_dir).resolve(),
+        "tokenizer_dir": Path(tokenizer_dir or target_dir).resolve(),
+        "engine_backend": "torch",
+        "max_batch": 16,
+        "max_seq_len": 2048,
+        "dtype": "auto",
+        "apply_chat_template": False,
+        "triton_max_batch_size": 64,
+        "unary_instance_count": 2,
+        "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
+    }
+    unknown = set(overrides) - set(values)
+    if unknown:
+        raise DFlashError(f"unknown model repository value(s): {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(values)}")
+    values.update(overrides)
+    return {k: _text(k, v) for k, v in values.items()}
+
+
+def _text(key: str, value) -> str:
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    s = str(value)
+    if any(c in s for c in '"\\\n'):
+        raise DFlashError(f"model repository value {key}={s!r}: must not contain quotes, backslashes or newlines")
+    return s
+
+
+def placeholders(template_dir: str | Path) -> dict[str, list[str]]:
+    """Placeholder name -> template files (relative paths) that use it."""
+    template_dir = Path(template_dir)
+    found: dict[str, list[str]] = {}
+    for f in sorted(template_dir.rglob("*")):
+        if f.is_file() and f.suffix in TEMPLATE_SUFFIXES:
+            for name in PLACEHOLDER.findall(f.read_text()):
+                rel = str(f.relative_to(template_dir))
+                if rel not in found.setdefault(name, []):
+                    found[name].append(rel)
+    return found
+
+
+def fill_model_repo(template_dir: str | Path, out_dir: str | Path, values: dict) -> Path:
+    """Copy template_dir to out_dir with every `${name}` in config files replaced by values[name]."""
+    template_dir, out_dir = Path(template_dir), Path(out_dir).resolve()
+    if not template_dir.is_dir():
+        raise DFlashError(f"template folder {template_dir}: not found")
+    used = placeholders(template_dir)
+    missing = {k: v for k, v in used.items() if k not in values}
+    if missing:
+        detail = "; ".join(f"{k} (in {', '.join(files)})" for k, files in sorted(missing.items()))
+        raise DFlashError(f"model repository template needs values for: {detail}")
+    text = {k: _text(k, v) for k, v in values.items()}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        shutil.copytree(template_dir, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".gitkeep"))
+        for f in tmp.rglob("*"):
+            if f.is_file() and f.suffix in TEMPLATE_SUFFIXES:
+                filled = PLACEHOLDER.sub(lambda m: text[m.group(1)], f.read_text())
+                _check_pbtxt(f, filled)
+                f.write_text(filled)
+        for model in tmp.iterdir():  # Triton needs each model's version folder, even an empty one
+            if (model / "config.pbtxt").is_file():
+                (model / "1").mkdir(exist_ok=True)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_pbtxt(path: Path, text: str) -> None:
+    """Parse a filled config.pbtxt with Triton's ModelConfig schema when tritonclient is installed."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        return
+    try:
+        text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise DFlashError(f"{path.parent.name}/{path.name}: invalid model config after filling: {e}") from None

@@ -1,0 +1,256 @@
+"""Start and stop a real `tritonserver` on loopback ports for a filled model repository.
+
+Boundary: process management only. `find_tritonserver()` picks the binary (a system
+`tritonserver` on PATH — GPU host / NGC container — else the one bundled in the PyPI package
+`nvidia-pytriton`); `TritonServer` prepares the Python-backend directory and the environment the
+backend stub needs, starts the server, waits for `/v2/health/ready`, and always stops it
+(context exit + atexit; SIGTERM, then SIGKILL). `serve()` is the blocking `dflash-trt serve`.
+
+Environment facts the bundled server needs (measured with nvidia-pytriton 0.7.0 / Triton 2.51):
+  * the Python-backend stub embeds libpython and runs isolated: PYTHONPATH is ignored and it
+    finds site-packages through the first `python3` on PATH, so this interpreter's bin dir goes
+    first on PATH (dflash_trt must be installed in that environment, e.g. `pip install -e .`);
+  * LD_LIBRARY_PATH must hold `nvidia_pytriton.libs` and the directory of this interpreter's own
+    libpython, or the stub loads another libpython and dies with
+    "'_thread.RLock' object has no attribute '_recursion_count'";
+  * the stub matching this interpreter's version must sit next to `libtriton_python.so`, so the
+    backend directory is copied into a temp dir with that stub.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+
+HOST = "127.0.0.1"
+
+
+class ServerError(DFlashError):
+    """tritonserver is missing, failed to start, or did not become ready."""
+
+
+def _pytriton_root() -> Path | None:
+    try:
+        import pytriton  # noqa: F401  (nvidia-pytriton)
+    except ImportError:
+        return None
+    return Path(pytriton.__file__).parent
+
+
+def find_tritonserver() -> Path:
+    """The tritonserver binary: a system one on PATH if present, else nvidia-pytriton's."""
+    system = shutil.which("tritonserver")
+    if system:
+        return Path(system)
+    root = _pytriton_root()
+    if root is not None and (root / "tritonserver" / "bin" / "tritonserver").is_file():
+        return root / "tritonserver" / "bin" / "tritonserver"
+    raise ServerError("tritonserver not found: install the serving extra (`pip install 'dflash-trt[serve]'`, "
+                      "which brings nvidia-pytriton's bundled server) or run inside an NGC Triton container")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _libpython_dir() -> str:
+    return sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
+
+
+class TritonServer:
+    """`with TritonServer(repo) as srv:` -> srv.grpc_url, srv.http_url, srv.metrics_url."""
+
+    def __init__(self, model_repo: str | Path, grpc_port: int | None = None, http_port: int | None = None,
+                 metrics_port: int | None = None, startup_timeout: float = 180.0, log_verbose: int = 0,
+                 binary: str | Path | None = None, extra_args: list[str] | None = None):
+        self.model_repo = Path(model_repo).resolve()
+        if not self.model_repo.is_dir():
+            raise ServerError(f"model repository {self.model_repo}: not a folder (fill one with fill_model_repo)")
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.startup_timeout = startup_timeout
+        self.log_verbose = log_verbose
+        self.binary = Path(binary) if binary else find_tritonserver()
+        self.extra_args = list(extra_args or [])
+        self.proc: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+        self.log_path: Path | None = None
+        self._log = None
+
+    # ---- endpoints ----------------------------------------------------------------------
+    @property
+    def grpc_url(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{HOST}:{self.metrics_port}/metrics"
+
+    # ---- environment --------------------------------------------------------------------
+    def _bundled(self) -> bool:
+        root = _pytriton_root()
+        return root is not None and self.binary.resolve().is_relative_to(root.resolve())
+
+    def _prepare_backends(self) -> list[str]:
+        """Copy the bundled python backend next to the stub matching this interpreter."""
+        if not self._bundled():
+            return []  # a system/NGC server ships its own backends and stub
+        dist = _pytriton_root() / "tritonserver"
+        ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = dist / "python_backend_stubs" / ver / "triton_python_backend_stub"
+        if not stub.is_file():
+            raise ServerError(f"{stub}: nvidia-pytriton has no Python-backend stub for Python {ver}")
+        backends = self._workdir / "backends"
+        shutil.copytree(dist / "backends", backends, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+        return [f"--backend-directory={backends}", f"--cache-directory={dist / 'caches'}"]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        libs = [_libpython_dir()]
+        root = _pytriton_root()
+        if root is not None and self._bundled():
+            libs.insert(0, str(root.parent / "nvidia_pytriton.libs"))
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+        env.pop("PYTHONPATH", None)  # ignored by the isolated stub anyway; avoid confusing the server
+        return env
+
+    def command(self, backend_args: list[str]) -> list[str]:
+        return [str(self.binary), f"--model-repository={self.model_repo}",
+                f"--http-address={HOST}", f"--http-port={self.http_port}",
+                f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={HOST}", f"--metrics-port={self.metrics_port}",
+                "--allow-metrics=true", "--exit-timeout-secs=10", "--strict-readiness=true",
+                f"--log-verbose={self.log_verbose}", *backend_args, *self.extra_args]
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "TritonServer":
+        if self.proc is not None:
+            return self
+        self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
+        self.log_path = self._workdir / "tritonserver.log"
+        try:
+            cmd = self.command(self._prepare_backends())
+            self._log = open(self.log_path, "wb")
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env(),
+                                         cwd=self._workdir, start_new_session=True)
+            atexit.register(self.stop)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.proc.returncode} during startup; "
+                                  f"log tail:\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver not ready after {self.startup_timeout:.0f}s; log tail:\n{self.log_tail()}")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 25) -> str:
+        """Error lines of the server log (model load failures, tracebacks), then its last lines."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        all_lines = self.log_path.read_text(errors="replace").splitlines()
+        noise = ("cuda", "nvml", "dcgm", "gpu metrics")
+        errors = [ln for ln in all_lines if (ln.startswith("E") or "Error" in ln or "Exception" in ln)
+                  and not any(n in ln.lower() for n in noise)]
+        tail = all_lines[-lines:]
+        head = [ln for ln in errors[-20:] if ln not in tail]
+        return "\n".join(head + (["..."] if head else []) + tail)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server (its process group), SIGKILL after `timeout`; idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if proc is not None:
+            try:  # stubs of a killed server: their group is the server's session
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        atexit.unregister(self.stop)
+        if self._workdir is not None and not os.environ.get("DFLASH_KEEP_TRITON_LOGS"):
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(model_repo: str | Path, grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
+          startup_timeout: float = 600.0, log_verbose: int = 0, echo=print) -> int:
+    """`dflash-trt serve`: run tritonserver on loopback until Ctrl-C / SIGTERM; returns its exit code."""
+    srv = TritonServer(model_repo, grpc_port, http_port, metrics_port, startup_timeout, log_verbose)
+    stop = {"now": False}
+
+    def _on_signal(signum, frame):
+        stop["now"] = True
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _on_signal) if main else None
+    try:
+        with srv:
+            echo(f"ready: gRPC {srv.grpc_url}  HTTP {srv.http_url}  metrics {srv.metrics_url}  (log {srv.log_path})")
+            while not stop["now"]:
+                if srv.proc is None or srv.proc.poll() is not None:
+                    echo(f"tritonserver exited; log tail:\n{srv.log_tail()}")
+                    return 1
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
+    return 0

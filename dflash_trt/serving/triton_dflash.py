@@ -1,0 +1,160 @@
+"""Triton Python-backend model `dflash`: the decoupled engine model (token ids in, ids out).
+
+Boundary: glue between pb_utils and the Orchestrator; imported only inside the backend stub
+(model_repo/dflash/1/model.py re-exports TritonPythonModel). Model parameters: target_dir,
+drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads. Every request gets its own response
+sender; `execute` only parses and queues, the orchestrator's thread sends. A request holding only
+`cancel_key` cancels the running request whose `request_key` matches (how the text front doors
+propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
+Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_tokens_total,
+dflash_accepted_tokens_total, dflash_output_tokens_total, dflash_cancelled_requests_total
+(counters), dflash_running_requests (gauge), dflash_acceptance_length (histogram of tokens per
+verify step, per finished request).
+"""
+
+from __future__ import annotations
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
+from dflash_trt.serving.protocol import CancelRequest, RequestError, TokenRequest, parse_token_request, token_outputs
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def input_getter(request):
+    def get(name):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        return None if t is None else t.as_numpy()
+    return get
+
+
+def triton_error(message: str, code: str = "INVALID_ARG"):
+    c = getattr(pb_utils.TritonError, code, None)
+    return pb_utils.TritonError(message, c) if c is not None else pb_utils.TritonError(message)
+
+
+def model_parameters(args) -> tuple[dict[str, str], dict]:
+    cfg = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}, cfg
+
+
+class _Sink:
+    """Orchestrator sink over one request's InferenceResponseSender."""
+
+    def __init__(self, sender, requested: set[str]):
+        self.sender, self.requested = sender, requested
+        self.prefix: list[int] = []  # prompt ids to prepend (exclude_input_in_output false)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def send(self, progress, final: bool) -> None:
+        outs = token_outputs(progress, self.prefix)
+        tensors = [pb_utils.Tensor(k, v) for k, v in outs.items() if not self.requested or k in self.requested]
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+    def error(self, message: str) -> None:
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message)), flags=FINAL)
+
+    def close(self) -> None:
+        self.sender.send(flags=FINAL)
+
+
+class _Metrics:
+    def __init__(self, labels: dict[str, str], block_size: int):
+        self._families = []  # a MetricFamily must outlive its Metrics
+
+        def fam(name, desc, kind):
+            f = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+            self._families.append(f)
+            return f
+
+        C = pb_utils.MetricFamily.COUNTER
+        self.requests = fam("dflash_requests_total", "Generation requests received", C).Metric(labels=labels)
+        self.steps = fam("dflash_draft_steps_total", "Draft/verify steps, summed over requests",
+                         C).Metric(labels=labels)
+        self.drafted = fam("dflash_draft_tokens_total", "Draft tokens proposed", C).Metric(labels=labels)
+        self.accepted = fam("dflash_accepted_tokens_total", "Draft tokens accepted", C).Metric(labels=labels)
+        self.output = fam("dflash_output_tokens_total", "Tokens generated", C).Metric(labels=labels)
+        self.cancels = fam("dflash_cancelled_requests_total", "Requests cancelled (client gone or cancel_key)",
+                           C).Metric(labels=labels)
+        self.gauge = fam("dflash_running_requests", "Requests in the running batch",
+                         pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+        self.tau = None
+        try:  # histograms need Triton >= 24.08's Python backend
+            self.tau = fam("dflash_acceptance_length", "Tokens per verify step (bonus included), per request",
+                           pb_utils.MetricFamily.HISTOGRAM).Metric(
+                labels=labels, buckets=[float(b) for b in range(1, block_size + 1)])
+        except Exception:
+            self.tau = fam("dflash_acceptance_length", "Tokens per verify step of the last finished request",
+                           pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+        self._running = -1
+
+    def request(self):
+        self.requests.increment(1)
+
+    def step(self, verify_steps, draft_tokens, accepted_tokens, output_tokens):
+        for m, v in ((self.steps, verify_steps), (self.drafted, draft_tokens), (self.accepted, accepted_tokens),
+                     (self.output, output_tokens)):
+            if v:
+                m.increment(v)
+
+    def finished(self, progress):
+        if progress.num_verify_steps:
+            (self.tau.observe if hasattr(self.tau, "observe") else self.tau.set)(progress.acceptance_length)
+
+    def cancelled(self):
+        self.cancels.increment(1)
+
+    def running(self, n):
+        if n != self._running:
+            self.gauge.set(n)
+            self._running = n
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params, cfg = model_parameters(args)
+        if not pb_utils.using_decoupled_model_transaction_policy(cfg):
+            raise pb_utils.TritonModelException("dflash: config.pbtxt must set model_transaction_policy "
+                                                "{ decoupled: true } (responses stream per step)")
+        threads = int(params.get("cpu_threads", "0") or 0)
+        if threads > 0:  # on a busy CPU host, few threads beat OpenMP's spinning barriers by far
+            import torch
+
+            torch.set_num_threads(threads)
+        try:
+            factory = load_engine_factory(
+                params.get("target_dir", ""), params.get("drafter_dir", ""), params.get("engine_backend", "torch"),
+                int(params.get("max_batch", "16")), int(params.get("max_seq_len", "2048")),
+                params.get("dtype", "auto"))
+        except (DFlashError, ValueError) as e:
+            raise pb_utils.TritonModelException(f"dflash: cannot load the engine: {e}") from None
+        self.orch = Orchestrator(factory)
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.orch.metrics = _Metrics(labels, self.orch.engine.block_size)
+        self.orch.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sink = _Sink(request.get_response_sender(), set(request.requested_output_names()))
+            try:
+                req = parse_token_request(input_getter(request))
+            except RequestError as e:
+                sink.error(str(e))
+                continue
+            if isinstance(req, TokenRequest) and not req.exclude_input_in_output:
+                sink.prefix = list(req.prompt_ids)
+            if isinstance(req, CancelRequest):
+                self.orch.cancel(req.key)
+                sink.close()
+            else:
+                self.orch.submit(req, sink)
+        return None
+
+    def finalize(self):
+        self.orch.stop()

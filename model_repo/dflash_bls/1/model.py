@@ -1,0 +1,1 @@
+from dflash_trt.serving.triton_text import BLSModel as TritonPythonModel  # noqa: F401  (decoupled)

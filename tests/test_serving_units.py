@@ -1,0 +1,272 @@
+"""Serving pieces without a server: detokenisation, request validation, the orchestrator's
+continuous batching / cancellation / error isolation, and model-repository filling."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_model_dir, tiny_target, tiny_tokenizer
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import DFlashError
+from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
+from dflash_trt.serving.protocol import (
+    RequestError,
+    Sampling,
+    TokenRequest,
+    parse_text_request,
+    parse_token_request,
+    progress_from,
+    token_outputs,
+)
+from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, placeholders
+from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, split_stop_sequences, text_delta
+from dflash_trt.spec.engine import SpecEngine
+from dflash_trt.spec.loop import generate_baseline
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """In-process baselines with one intra-op thread: on a shared 2-core host, OpenMP barriers
+    over 2 threads run tiny models ~50x slower. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+# ---- text -------------------------------------------------------------------------------------
+def test_light_tokenizer_matches_autotokenizer(tok_dir):
+    light, hf = TextCodec.from_dir(tok_dir, backend="light"), TextCodec.from_dir(tok_dir, backend="transformers")
+    assert light.light and not hf.light
+    for chat in (False, True):
+        for t in ["hello world", "héllo wörld ✓ 漢字 <|im_end|> x", "def add(a, b):\n    return a + b\n"]:
+            assert light.encode(t, chat) == hf.encode(t, chat)
+    ids = list(range(hf.vocab_size))
+    assert light.decode(ids) == hf.decode(ids)
+    assert (light.vocab_size, light.eos_token_id) == (hf.vocab_size, hf.eos_token_id)
+    assert light.encode_stop_words(["fox", ""]) == hf.encode_stop_words(["fox"])
+
+
+def test_streamed_chunks_concatenate_exactly(tok_dir):
+    codec = TextCodec.from_dir(tok_dir)
+    rng = np.random.default_rng(0)
+    texts = ["漢字 ✓ héllo", "ünïcode ✓✓ 漢"]
+    seqs = [codec.encode(t, chat=False) for t in texts]
+    byte_ids = [codec.tok.backend.token_to_id(c) for c in "\u00e6\u00bc\u00a2"]  # the 3 byte tokens of '漢'
+    assert None not in byte_ids
+    seqs += [byte_ids * 3, byte_ids[:2] + [5] + byte_ids]  # split characters, and an invalid sequence
+    seqs += [list(rng.integers(0, codec.vocab_size, 40)) for _ in range(20)]  # random bytes: invalid UTF-8
+    for ids in seqs:
+        full = codec.decode(ids)
+        for _ in range(3):
+            cuts = sorted(set(rng.integers(1, len(ids), size=min(len(ids) - 1, 5)).tolist())) if len(ids) > 1 else []
+            bounds = [0] + cuts + [len(ids)]
+            det, stateless = StreamDetokenizer(codec), []
+            chunks = []
+            for a, b in zip(bounds, bounds[1:]):
+                final = b == len(ids)
+                chunks.append(det.add(ids[a:b], final))
+                stateless.append(text_delta(codec, ids[:b], a, final))
+            assert "".join(chunks) == full
+            assert stateless == chunks
+    # a character split across tokens is held back, never sent as U+FFFD
+    det = StreamDetokenizer(codec)
+    assert det.add(byte_ids[:2]) == "" and det.add(byte_ids[2:]) == "漢"
+
+
+def test_stop_sequence_packing():
+    assert split_stop_sequences(join_stop_sequences([[1, 2], [3]])) == [[1, 2], [3]]
+    assert split_stop_sequences([]) == []
+
+
+# ---- protocol ---------------------------------------------------------------------------------
+def _getter(**vals):
+    arrays = {}
+    for k, v in vals.items():
+        if isinstance(v, str):
+            v = np.array([[v.encode()]], dtype=object)
+        arrays[k] = np.asarray(v).reshape(1, -1) if not isinstance(v, np.ndarray) else v
+    return arrays.get
+
+
+@pytest.mark.parametrize("vals, field", [
+    (dict(max_tokens=4), "text_input"), (dict(text_input="hi"), "max_tokens"),
+    (dict(text_input="hi", max_tokens=0), "max_tokens"),
+    (dict(text_input="hi", max_tokens=4, temperature=-1.0), "temperature"),
+    (dict(text_input="hi", max_tokens=4, top_p=0.0), "top_p"),
+    (dict(text_input="hi", max_tokens=4, top_p=1.5), "top_p"),
+    (dict(text_input="hi", max_tokens=4, top_k=-2), "top_k"),
+    (dict(text_input="hi", max_tokens=np.array([[4, 5]], np.int32)), "max_tokens"),
+])
+def test_bad_request_names_the_field(vals, field):
+    with pytest.raises(RequestError, match=f"^{field}"):
+        parse_text_request(_getter(**vals))
+
+
+def test_token_request_roundtrip():
+    req = parse_token_request(_getter(input_ids=[3, 4, 5], max_tokens=7, stream=True, stop_sequences=[1, 2, -1, 9],
+                                      request_key="k", end_id=-1))
+    assert req.prompt_ids == [3, 4, 5] and req.sampling.max_tokens == 7 and req.sampling.stream
+    assert req.stop_sequences == [[1, 2], [9]] and req.request_key == "k"
+    p = req.sampling.to_params()
+    assert p.ignore_eos and p.stop_token_ids == ()
+    assert parse_token_request(_getter(cancel_key="k")).key == "k"
+    with pytest.raises(RequestError, match="^input_ids"):
+        parse_token_request(_getter(input_ids=np.array([[1, 2], [3, 4]], np.int32), max_tokens=2))
+
+
+# ---- orchestrator -----------------------------------------------------------------------------
+class ListSink:
+    def __init__(self, cancel_after: int | None = None):
+        self.msgs, self.errors, self.closed = [], [], False
+        self.done = threading.Event()
+        self.cancel_after = cancel_after
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.msgs) >= self.cancel_after
+
+    def send(self, progress, final):
+        self.msgs.append((progress, final))
+        if final:
+            self.done.set()
+
+    def error(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def close(self):
+        self.closed = True
+        self.done.set()
+
+    def ids(self):
+        out = []
+        for p, _ in self.msgs:
+            out += p.output_ids[p.num_prev:]
+        return out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t = tiny_target("qwen3")
+    return t, tiny_drafter(t, block_size=4)
+
+
+def test_orchestrator_batches_streams_and_isolates_errors(pair):
+    t, d = pair
+    orch = Orchestrator(lambda: SpecEngine(t, d, max_batch=3, max_seq_len=64)).start()
+    try:
+        prompts = [[5, 17, 42], [9, 8, 7, 6, 5], [200], [1, 2, 3, 4, 5, 6, 7, 8], [11, 12], [100, 101, 102]]
+        sinks = [ListSink() for _ in prompts]
+        bad = [ListSink(), ListSink()]
+        orch.submit(TokenRequest([1] * 80, Sampling(max_tokens=3)), bad[0])  # longer than the context
+        for i, (p, s) in enumerate(zip(prompts, sinks)):
+            orch.submit(TokenRequest(p, Sampling(max_tokens=5 + 3 * i, stream=i % 2 == 0)), s)
+        orch.submit(TokenRequest([1, 999], Sampling(max_tokens=3)), bad[1])  # outside the vocabulary
+        for s in sinks + bad:
+            assert s.done.wait(60)
+        assert "max_seq_len=64" in bad[0].errors[0] and "vocabulary" in bad[1].errors[0]
+        for i, (p, s) in enumerate(zip(prompts, sinks)):
+            ref = generate_baseline(t, [p], SamplingParams(max_new_tokens=5 + 3 * i)).tokens[0]
+            last = s.msgs[-1][0]
+            assert s.ids() == last.output_ids == ref and not s.errors
+            assert [f for _, f in s.msgs] == [False] * (len(s.msgs) - 1) + [True]
+            assert last.finish_reason == "length" and last.num_input_tokens == len(p)
+            assert last.num_draft_tokens == 3 * last.num_verify_steps
+            assert (len(s.msgs) > 1) == (i % 2 == 0 and len(ref) > 2)
+    finally:
+        orch.stop()
+
+
+def test_orchestrator_cancel_stop_sequence_and_engine_failure(pair):
+    t, d = pair
+    orch = Orchestrator(lambda: SpecEngine(t, d, max_batch=4, max_seq_len=128)).start()
+    try:
+        prompt = [5, 17, 42]
+        ref = generate_baseline(t, [prompt], SamplingParams(max_new_tokens=40)).tokens[0]
+        gone, keyed, stopped, ok = ListSink(cancel_after=2), ListSink(), ListSink(), ListSink()
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=100, stream=True)), gone)
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=100, stream=True), request_key="k1"), keyed)
+        stop = ref[6:8]
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=40), stop_sequences=[stop]), stopped)
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=40)), ok)
+        while not keyed.msgs:
+            time.sleep(0.01)
+        orch.cancel("k1")
+        for s in (gone, keyed, stopped, ok):
+            assert s.done.wait(60)
+        assert gone.closed and len(gone.msgs) == 2
+        assert keyed.msgs[-1][0].finish_reason == "cancelled" and keyed.msgs[-1][1]
+        first = next(i for i in range(1, len(ref)) if ref[i - 1:i + 1] == stop)
+        assert stopped.msgs[-1][0].output_ids == ref[:first + 1] and stopped.msgs[-1][0].finish_reason == "stop"
+        assert ok.msgs[-1][0].output_ids == ref
+        # an engine failure fails the running requests, then a fresh engine serves the next ones
+        real_step = SpecEngine.step
+        boom = ListSink()
+        try:
+            SpecEngine.step = lambda self: (_ for _ in ()).throw(RuntimeError("kaput"))
+            orch.submit(TokenRequest(prompt, Sampling(max_tokens=5)), boom)
+            assert boom.done.wait(30)
+        finally:
+            SpecEngine.step = real_step
+        assert "kaput" in boom.errors[0]
+        after = ListSink()
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=40)), after)
+        assert after.done.wait(60) and after.msgs[-1][0].output_ids == ref
+        assert orch.num_running == 0
+    finally:
+        orch.stop()
+
+
+def test_progress_tensors_roundtrip():
+    from dflash_trt.serving.protocol import Progress
+
+    p = Progress([4, 5, 6], 1, "stop", 3, 9, 4, 3, {"e2e_time": 1.0})
+    outs = token_outputs(p, prefix_ids=[1, 2])
+    q = progress_from(lambda n: outs.get(n))
+    assert q.output_ids == [1, 2, 4, 5, 6] and q.num_prev == 3 and q.finish_reason == "stop"
+    assert (q.acceptance_rate, q.acceptance_length, q.perf) == (4 / 9, (4 + 3) / 3, {"e2e_time": 1.0})
+
+
+def test_engine_loader_names_missing_files(tmp_path):
+    with pytest.raises(DFlashError, match="config.json"):
+        load_engine_factory(str(tmp_path / "nope"), str(tmp_path))
+    tiny_model_dir(tmp_path / "target")
+    with pytest.raises(DFlashError, match="drafter_dir.*config.json"):
+        load_engine_factory(str(tmp_path / "target"), str(tmp_path / "nodrafter"))
+    with pytest.raises(DFlashError, match="engine_backend"):
+        load_engine_factory(str(tmp_path / "target"), str(tmp_path), engine_backend="trt")
+
+
+# ---- model repository -------------------------------------------------------------------------
+def test_fill_model_repo(tmp_path):
+    tpl = default_template_dir()
+    used = placeholders(tpl)
+    assert {"target_dir", "drafter_dir", "tokenizer_dir", "max_batch", "triton_max_batch_size"} <= set(used)
+    values = default_values(tmp_path / "t", tmp_path / "d", dtype="float32")
+    out = fill_model_repo(tpl, tmp_path / "repo", values)
+    models = {p.name for p in out.iterdir()}
+    assert models == {"ensemble", "preprocessing", "postprocessing", "dflash", "dflash_bls", "dflash_unary"}
+    for m in models:
+        text = (out / m / "config.pbtxt").read_text()
+        assert "${" not in text and (out / m / "1").is_dir()
+    assert f'string_value: "{(tmp_path / "t").resolve()}"' in (out / "dflash" / "config.pbtxt").read_text()
+    # a missing value is refused, naming the placeholder and its file; nothing is written
+    partial = dict(values)
+    del partial["drafter_dir"]
+    with pytest.raises(DFlashError, match=r"drafter_dir \(in dflash/config.pbtxt\)"):
+        fill_model_repo(tpl, tmp_path / "repo2", partial)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+    with pytest.raises(DFlashError, match="unknown"):
+        default_values("t", "d", typo=1)
