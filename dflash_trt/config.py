@@ -92,6 +92,10 @@ class DrafterConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     dtype: str = "bfloat16"
+    # Draft vocabulary (dflash_config.draft_vocab_size): the drafter's LM head covers only these
+    # token ids (tensor `draft_vocab` in model.safetensors), as EAGLE-3's reduced draft vocab does.
+    # None = the target's full vocabulary. Cuts the head's cost (most of a small drafter's FLOPs).
+    draft_vocab_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -114,6 +118,9 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"dflash_config.mask_token_id={self.mask_token_id}: must be a token id "
                               f"in 0..{self.vocab_size - 1}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"dflash_config.draft_vocab_size={self.draft_vocab_size}: must be in 1..{self.vocab_size} "
+                              f"(or absent for the full vocabulary)")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act={self.hidden_act!r}: only 'silu' drafters are supported")
 
@@ -170,6 +177,8 @@ class DrafterConfig:
             "dflash_config": {**d.get("dflash_config", {}), "mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids)},
         })
+        if self.draft_vocab_size is not None:
+            d["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
         return d
 
     @classmethod
@@ -204,9 +213,11 @@ class DrafterConfig:
             max_position_embeddings=d.get("max_position_embeddings", 32768), hidden_act=d.get("hidden_act", "silu"),
             attention_bias=d.get("attention_bias", False),
             dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
+            draft_vocab_size=dc.get("draft_vocab_size"),
             extra={**{k: v for k, v in d.items() if k not in _KNOWN},
                    **({"dflash_config": dc_rest} if (dc_rest := {k: v for k, v in dc.items()
-                                                                if k not in ("mask_token_id", "target_layer_ids")}) else {})},
+                                                                if k not in ("mask_token_id", "target_layer_ids",
+                                                                             "draft_vocab_size")}) else {})},
         )
 
     def save(self, folder: str | Path) -> None:
@@ -257,3 +268,19 @@ def load_yaml_dataclass(cls, path: str | Path, overrides: dict | None = None):
     if unknown:
         raise ConfigError(f"{p}: unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(names))}")
     return cls(**data)
+
+
+def field_help(cls) -> dict[str, str]:
+    """Help text of each dataclass field: the `# comment` on its line in the class body, so that the
+    YAML schema, the CLI --help and the code document a field in one place."""
+    import inspect
+    import re
+
+    out: dict[str, str] = {}
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return out
+    for m in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", src, re.M):
+        out.setdefault(m.group(1), m.group(2).strip())
+    return out

@@ -46,6 +46,10 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True):
 
     path = resolve_target_dir(name_or_dir, progress)
     torch_dtype = parse_dtype(dtype)
+    from dflash_trt.build.simulate import is_quantized_dir, load_quantized_target
+
+    if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (CPU simulation)
+        return load_quantized_target(path, torch_dtype), path
     return TargetModel.from_pretrained(path, dtype=torch_dtype), path
 
 
@@ -56,7 +60,11 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
 
     if block_size is not None and block_size < 2:
         raise ConfigError(f"--block-size {block_size}: must be >= 2 (the last token plus at least one draft)")
-    if drafter_dir:
+    from dflash_trt.build.simulate import is_quantized_dir, load_quantized_drafter
+
+    if drafter_dir and is_quantized_dir(drafter_dir):  # FP8/NVFP4 drafter: dequantise on load
+        drafter = load_quantized_drafter(drafter_dir, target=target)
+    elif drafter_dir:
         drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target)
     elif random_init:
         torch.manual_seed(seed)
@@ -122,11 +130,11 @@ class Comparison:
 
 
 def run_generate(target, drafter, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 baseline: bool = False) -> Comparison:
+                 baseline: bool = False, kernels: str = "torch") -> Comparison:
     """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
     from dflash_trt.spec.loop import generate, generate_baseline
 
-    out = generate(target, drafter, [prompt_ids], params)
+    out = generate(target, drafter, [prompt_ids], params, kernels=kernels)
     toks = out.tokens[0]
     cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())
     if baseline:

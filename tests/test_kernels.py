@@ -5,6 +5,10 @@ small (few rows, short contexts, small d and V) because the interpreter is slow.
 Tolerances (max abs error vs the fp32 reference, after casting both to the storage dtype):
   fp32 storage 2e-5 | bf16 3e-2 + 2e-2 rel | fp16 4e-3 + 2e-3 rel | fp8 cache: 1 e4m3 step.
 The interpreter rounds fp32->bf16 by truncation, hence bf16 allows ~1 ulp beyond rounding.
+
+DFLASH_TEST_KERNELS_ON_GPU=1 (scripts/gpu_check.sh) runs the same tests compiled for the local
+CUDA GPU instead: no interpreter, every launcher call gets CUDA copies of its tensor arguments
+and writes in-place results back, so the tests themselves stay CPU code.
 """
 
 import importlib.util
@@ -13,13 +17,16 @@ import subprocess
 import sys
 
 _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+ON_GPU = os.environ.get("DFLASH_TEST_KERNELS_ON_GPU") == "1"
+os.environ["TRITON_INTERPRET"] = "0" if ON_GPU else "1"  # before triton is imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed (pip install 'dflash-trt[kernels]')", allow_module_level=True)
+if ON_GPU and not torch.cuda.is_available():
+    pytest.skip("DFLASH_TEST_KERNELS_ON_GPU=1 but no CUDA device", allow_module_level=True)
 
 from dflash_trt.kernels import (block_draft_attention, greedy_accept, kernels_available,  # noqa: E402
                                 kv_inject, rejection_accept)
@@ -40,16 +47,46 @@ def _restore_interpret():
 
 
 _restore_interpret()  # other test modules see the environment they had; this module's tests re-set it
-if not isinstance(kv_inject_kernel, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could take effect; run this file on its own",
-                allow_module_level=True)
+if isinstance(kv_inject_kernel, InterpretedFunction) == ON_GPU:
+    pytest.skip(f"triton was imported before TRITON_INTERPRET={0 if ON_GPU else 1} could take effect; "
+                "run this file on its own", allow_module_level=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _triton_interpreter():
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "0" if ON_GPU else "1"
     yield
     _restore_interpret()
+
+
+def _on_gpu(launcher):
+    """launcher run on CUDA copies of its tensor arguments; in-place writes and results come back."""
+    def run(*args, **kwargs):
+        cpu = [*args, *kwargs.values()]
+        moved = [a.cuda() if torch.is_tensor(a) else a for a in cpu]
+        out = launcher(*moved[:len(args)], **dict(zip(kwargs, moved[len(args):])))
+        torch.cuda.synchronize()
+        back = {}
+        for a, m in zip(cpu, moved):
+            if torch.is_tensor(a):
+                a.copy_(m.cpu())
+                back[id(m)] = a
+
+        def home(t):
+            return back.get(id(t), t.cpu()) if torch.is_tensor(t) else t
+
+        if isinstance(out, tuple):
+            return tuple(home(t) for t in out)
+        if isinstance(out, verify.Verdict):
+            return verify.Verdict(home(out.accepted), home(out.bonus))
+        return home(out)
+
+    return run
+
+
+if ON_GPU:
+    kv_inject, block_draft_attention, greedy_accept, rejection_accept = map(
+        _on_gpu, (kv_inject, block_draft_attention, greedy_accept, rejection_accept))
 
 F32, BF16, F16, FP8 = torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn
 TOL = {F32: (2e-5, 0.0), BF16: (3e-2, 2e-2), F16: (4e-3, 2e-3)}

@@ -129,3 +129,33 @@ def test_train_cli_with_yaml(tmp_path):
     (tmp_path / "bad.yaml").write_text("blok_size: 4\n")
     r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "bad.yaml")])
     assert r.exit_code == 2 and "unknown field(s) blok_size" in r.output
+
+
+def test_benchmark_prompts_refused_as_training_data(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    r = CliRunner().invoke(main, ["data", "generate", "--target", "x", "--prompts", "humaneval", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "held out from training" in r.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_train_cli_help_comes_from_field_comments():
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
+    assert "blocks trained per sequence, resampled each epoch" in out and "--draft-vocab" in out
+
+
+def test_draft_vocab_training_saves_vocab(tmp_path):
+    t = tiny_target("qwen3")
+    data = _write(tmp_path / "d", *_corpus(t, 8, 0, 256, max_new=16))
+    out = train(TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, draft_vocab=20, max_steps=3,
+                            batch_size=4), target=t, progress=False)
+    d = DFlashDrafter.from_pretrained(out)
+    seqs = read_sequences(data)
+    assert d.config.draft_vocab_size == len(d.draft_vocab) <= 20
+    assert set(d.draft_vocab.tolist()) <= {x for s in seqs for x in s["input_ids"][s["prompt_len"]:]}

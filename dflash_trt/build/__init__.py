@@ -6,4 +6,13 @@
   hf_checkpoint.py  save / load a modelopt-style quantised HF checkpoint folder; atomic folder writes
   tp.py           one linear layer (plain or quantised): tensor-parallel split, fuse and merge
   convert.py      HF target / DFlash drafter -> TensorRT-LLM 1.2 checkpoint folder, and back
+`dflash-trt build` (one YAML -> engines + Triton repo):
+  config.py       BuildConfig (YAML schema = CLI options), validated
+  check.py        the check stage: target/drafter/tokenizer fit, size table
+  stages.py       one function per stage, each writing its own folder of the build dir
+  backends.py     trtllm-build calls, LLM-API model.yaml, vLLM / SGLang command lines
+  quant_eval.py   eval stage: tau and greedy agreement of the quantized pair vs bf16
+  simulate.py     dequantise-on-load of quantised folders (CPU simulation)
+  pipeline.py     run_build: temp dir + rename, stage cache, build.json
+  cli.py          `dflash-trt build [STAGE]`
 """

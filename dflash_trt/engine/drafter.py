@@ -125,7 +125,12 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        if config.draft_vocab_size is not None:  # token ids the head covers, sorted; saved with the weights
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab = None
         self._target = None  # shared embedding / LM head; kept out of state_dict on purpose
+        self._fast = None  # engine.fast_path.TritonDrafterOps when the Triton kernels are on
 
     # ---- wiring to the target -----------------------------------------------------------
     @property
@@ -155,11 +160,26 @@ class DFlashDrafter(nn.Module):
             raise RuntimeError("drafter is not bound to a target: call drafter.bind(target) first")
         return self._target
 
+    # ---- kernels switch ------------------------------------------------------------------
+    def use_kernels(self, mode: str = "auto") -> str:
+        """Run inject_context / draft_block on the Triton kernels ("triton"), the PyTorch
+        reference ("torch") or whichever fits this device ("auto"); returns the one in use.
+        Caches made before a switch belong to the old path (make new ones)."""
+        from dflash_trt.engine.fast_path import drafter_ops
+
+        self._fast = drafter_ops(self, mode)
+        return self.kernels
+
+    @property
+    def kernels(self) -> str:
+        return "torch" if self._fast is None else "triton"
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
+        make = KVCache if self._fast is None else self._fast.new_cache  # the kernels want [L, R, ...] stacked
         # + 2 blocks of scratch: a block is written past the context, padded rows past that
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len + 2 * c.block_size,
-                       self.fc.weight.dtype, self.fc.weight.device)
+        return make(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len + 2 * c.block_size,
+                    self.fc.weight.dtype, self.fc.weight.device)
 
     # ---- inference ----------------------------------------------------------------------
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
@@ -176,10 +196,13 @@ class DFlashDrafter(nn.Module):
         cache.check_room(n)
         positions = cache.lengths[:, None] + torch.arange(n, device=taps.device)
         ctx = self.fuse(taps)
-        cos, sin = self.rotary(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(ctx, cos, sin)
-            cache.write(i, k, v, positions)  # padded entries land in scratch slots (see cache.py)
+        if self._fast is not None:  # kv_inject: every layer in one launch, valid tokens only
+            self._fast.inject(ctx, positions, num_new, cache)
+        else:
+            cos, sin = self.rotary(positions, ctx.dtype)
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.kv(ctx, cos, sin)
+                cache.write(i, k, v, positions)  # padded entries land in scratch slots (see cache.py)
         cache.lengths = cache.lengths + num_new.to(cache.lengths)
 
     @torch.no_grad()
@@ -189,26 +212,38 @@ class DFlashDrafter(nn.Module):
         R, B = block_ids.shape
         cache.check_room(B)
         positions = cache.lengths[:, None] + torch.arange(B, device=block_ids.device)  # [R, B]
-        upto = int(positions.max()) + 1
-        limit = cache.lengths + B  # context + whole block, no causal mask
-        visible = (torch.arange(upto, device=block_ids.device)[None, :] < limit[:, None])[:, None, :].expand(R, B, upto)
+        attend = _cached_block_attention(cache, positions) if self._fast is None else self._fast.block_attention(cache)
         x = self.target.embed(block_ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             k, v = attn.kv(h, cos, sin)
-            cache.write(i, k, v, positions)
-            k_all, v_all = cache.view(i, upto)
-            out = cached_attention(attn.q(h, cos, sin), k_all, v_all, visible, attn.scale)
+            out = attend(i, attn.q(h, cos, sin), k, v)  # [R, H, B, D]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(R, B, -1))
             x = x + layer.ffn(layer.post_attention_layernorm(x))
         return self.norm(x)
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> float32 logits over the draft vocabulary [..., Vd] (full vocab: Vd = V)
+        through the target's shared LM head (only its draft-vocab rows when one is set)."""
+        w = self.target.lm_head.weight
+        if self.draft_vocab is not None:
+            # the head is frozen: gather its draft-vocab rows once per (weight, vocab) pair
+            key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), self.draft_vocab.device)
+            if getattr(self, "_head_rows", (None,))[0] != key:
+                object.__setattr__(self, "_head_rows", (key, w.detach().index_select(0, self.draft_vocab.to(w.device))))
+            w = self._head_rows[1]
+        return F.linear(hidden.to(w.dtype), w).float()
+
     def draft_logits(self, block_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits [R, B-1, V] (float32) for block positions 1..B-1, via the target's LM head."""
-        hidden = self.draft_block(block_ids, cache)
-        return self.target.lm_head(hidden[:, 1:].to(self.target.dtype)).float()
+        """Logits [R, B-1, V] (float32) for block positions 1..B-1, via the target's LM head.
+        With a draft vocabulary, tokens outside it get -inf (probability 0 under the draft)."""
+        logits = self.head_logits(self.draft_block(block_ids, cache)[:, 1:])
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
 
     # ---- checkpoint ---------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path) -> None:
@@ -250,12 +285,34 @@ class DFlashDrafter(nn.Module):
             if tuple(state[k].shape) != tuple(t.shape):
                 raise CheckpointError(f"drafter {wfile}: tensor {k} has shape {tuple(state[k].shape)}, "
                                       f"config.json implies {tuple(t.shape)}")
+        if model.draft_vocab is not None:
+            dv = state["draft_vocab"]
+            if dv.dtype != torch.int64 or bool((dv < 0).any() | (dv >= cfg.vocab_size).any()) or \
+                    (len(dv) > 1 and not bool((dv[1:] > dv[:-1]).all())):
+                raise CheckpointError(f"drafter {wfile}: draft_vocab must hold sorted, distinct int64 token ids "
+                                      f"in 0..{cfg.vocab_size - 1}")
         model.load_state_dict({k: state[k] for k in ours}, strict=True)
         if dtype is not None:
             model.to(dtype)
         if target is not None:
             model.bind(target)
         return model.eval()
+
+
+def _cached_block_attention(cache: KVCache, positions: torch.Tensor):
+    """The reference block attention: write the block's K/V into the scratch slots past the
+    context, then attend over slots [0, ctx_len + B) of the row (no causal mask)."""
+    R, B = positions.shape
+    upto = int(positions.max()) + 1
+    limit = cache.lengths + B  # context + whole block, no causal mask
+    visible = (torch.arange(upto, device=positions.device)[None, :] < limit[:, None])[:, None, :].expand(R, B, upto)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.write(i, k, v, positions)
+        k_all, v_all = cache.view(i, upto)
+        return cached_attention(q, k_all, v_all, visible, q.shape[-1] ** -0.5)
+
+    return attend
 
 
 def check_compatible(cfg: DrafterConfig, target) -> None:

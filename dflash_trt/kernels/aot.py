@@ -215,8 +215,10 @@ def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
 
 
 def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs: list[KernelSpec] | None = None,
-                jobs: int = 1) -> Path:
+                jobs: int = 1, progress=None) -> Path:
     """Compile every spec (default_specs()) for every arch into out_dir; returns the manifest path.
+
+    progress, if given, is called with each manifest entry as it completes (in work order).
 
     Any failure raises KernelCompileError and leaves out_dir untouched. jobs > 1 (and any call
     under TRITON_INTERPRET=1) compiles in that many spawned processes, so specs must name
@@ -238,9 +240,10 @@ def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs
         work = [(s, a) for a in archs for s in specs]
         if jobs > 1 or _interpreting():
             with ProcessPoolExecutor(max(1, jobs), mp_context=get_context("spawn"), initializer=_worker_init) as pool:
-                entries = list(pool.map(_compile_to_files, *zip(*work), [str(tmp)] * len(work)))
+                entries = [_report(e, progress) for e in
+                           pool.map(_compile_to_files, *zip(*work), [str(tmp)] * len(work))]
         else:
-            entries = [_compile_to_files(s, a, str(tmp)) for s, a in work]
+            entries = [_report(_compile_to_files(s, a, str(tmp)), progress) for s, a in work]
         manifest = {"format": 1, "triton_version": triton.__version__, "archs": archs,
                     "specs": [asdict(s) for s in specs], "kernels": entries}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -252,6 +255,12 @@ def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out / MANIFEST
+
+
+def _report(entry: dict, progress) -> dict:
+    if progress is not None:
+        progress(entry)
+    return entry
 
 
 def load_manifest(out_dir: str | os.PathLike, verify: bool = True) -> dict:

@@ -138,6 +138,7 @@ def block_draft_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Ten
     paged = block_table is not None
     if not paged and shp[0] != R:
         raise ValueError(f"contiguous cache has {shp[0]} rows, q has {R}")
+    q = q.contiguous()  # the kernel writes out with q's contiguous strides (empty_like keeps a view's strides)
     out = torch.empty_like(q)
     if q.numel() == 0:
         return out
@@ -147,7 +148,7 @@ def block_draft_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Ten
     block_n = block_n or (16 if interpreting() else 64)
     grid = (cdiv(G * B, block_m), HKV, R)
     block_attention_kernel[grid](
-        q.contiguous(), k_blk.contiguous(), v_blk.contiguous(), k_cache, v_cache, int32(ctx_len),
+        q, k_blk.contiguous(), v_blk.contiguous(), k_cache, v_cache, int32(ctx_len),
         bt, scale_tensor(kv_scale, dev),
         H, HKV, B, shp[0], shp[2], bt.shape[-1] if paged else 1, layer if stacked else 0,
         out,

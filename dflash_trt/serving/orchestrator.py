@@ -274,15 +274,12 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
     failure). Missing or mismatched folders raise DFlashError naming the file."""
     from pathlib import Path
 
-    from dflash_trt.pipeline import parse_dtype
-
     if engine_backend != "torch":
         raise DFlashError(f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
                           f"(TensorRT-LLM engines are served by their own backend)")
     if max_batch < 1 or max_seq_len < 2:
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.pipeline import load_drafter, load_target
     from dflash_trt.spec.engine import SpecEngine
 
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
@@ -290,6 +287,7 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
         raise DFlashError(f"target_dir: {target_dir / 'config.json'} not found (expected a Hugging Face model folder)")
     if not (drafter_dir / "config.json").is_file():
         raise DFlashError(f"drafter_dir: {drafter_dir / 'config.json'} not found (expected a DFlash drafter folder)")
-    target = TargetModel.from_pretrained(target_dir, dtype=parse_dtype(dtype))
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target).eval()
+    # pipeline's loaders also read FP8/NVFP4 (Model Optimizer layout) folders, dequantised on load
+    target = load_target(str(target_dir), dtype, progress=False)[0]
+    drafter = load_drafter(target, str(drafter_dir)).eval()
     return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len)

@@ -26,10 +26,12 @@ TEMPLATE_SUFFIXES = (".pbtxt",)
 
 
 def default_template_dir() -> Path:
-    """The repository's model_repo/ folder (next to the dflash_trt package in a source checkout)."""
-    p = Path(__file__).resolve().parents[2] / "model_repo"
+    """The model_repo templates shipped inside the package (the checkout's top-level model_repo/ is a
+    link to them, so source checkouts, editable and wheel installs all see the same files)."""
+    p = Path(__file__).resolve().parent / "model_repo"
     if not p.is_dir():
-        raise DFlashError(f"{p}: model_repo templates not found; pass the template folder explicitly")
+        raise DFlashError(f"{p}: model_repo templates not found (broken install?); reinstall dflash-trt or "
+                          f"pass the template folder explicitly")
     return p
 
 

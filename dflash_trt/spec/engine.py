@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
+from dflash_trt.engine import fast_path
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.verify import Verdict, greedy_accept, rejection_accept, sample_tokens, warp_logits
+from dflash_trt.spec.verify import Verdict, sample_tokens, warp_logits
 
 
 @dataclass
@@ -83,8 +84,16 @@ class _Request:
 
 
 class SpecEngine:
-    def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None):
+    def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None,
+                 kernels: str = "torch"):
+        """kernels: "auto" | "triton" | "torch" (see engine/fast_path.py): the drafter's context
+        injection and block attention and the acceptance step on the Triton kernels or PyTorch."""
         self.target, self.drafter = target, drafter
+        self.accept_ops = fast_path.accept_ops(kernels, target.device)
+        # the drafter object is shared, so every engine sets its switch; drafters without one
+        # (test doubles) have no kernels to run
+        self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"
+        self.kernels = kernels
         self.block_size = drafter.block_size
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or 4096, target.max_context())
@@ -218,16 +227,17 @@ class SpecEngine:
         return self.target.forward(block, self.tcache, self.tap_layers)
 
     def accept(self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None) -> Verdict:
+        ops = self.accept_ops  # spec/verify.py, or the Triton accept kernels
         if q is None:
-            return greedy_accept(block, logits.argmax(-1))
+            return ops.greedy(block, logits)
         accepted, bonus = [], []
         for r, req in enumerate(self.reqs):
             if req.params.greedy:
-                v = greedy_accept(block[r:r + 1], logits[r:r + 1].argmax(-1))
+                v = ops.greedy(block[r:r + 1], logits[r:r + 1])
             else:
                 p = warp_logits(logits[r], req.params)
                 u = torch.rand(self.block_size, generator=req.generator, device=logits.device)
-                v = rejection_accept(block[r:r + 1], p[None], q[r:r + 1], u[None, :-1], u[-1:])
+                v = ops.rejection(block[r:r + 1], p[None], q[r:r + 1], u[None, :-1], u[-1:])
             accepted.append(v.accepted)
             bonus.append(v.bonus)
         return Verdict(torch.cat(accepted), torch.cat(bonus))

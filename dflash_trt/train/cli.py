@@ -12,20 +12,24 @@ from dflash_trt.cli import friendly_errors
 
 
 def _options_from_dataclass(cls):
-    """One --flag per TrainConfig field, help taken from the field's comment-free name and default."""
+    """One --flag per dataclass field; help is the field's comment in the class body plus its default."""
+    from dflash_trt.config import field_help
+
     hints = typing.get_type_hints(cls)
+    helps = field_help(cls)
 
     def deco(fn):
         for f in reversed(dataclasses.fields(cls)):
             t = hints[f.name]
             flag = "--" + f.name.replace("_", "-")
+            text = (helps.get(f.name, "") + f" [default: {f.default}]").strip()
             if t is bool:
-                fn = click.option(f"{flag}/--no-{f.name.replace('_', '-')}", default=None, help=f"default {f.default}")(fn)
+                fn = click.option(f"{flag}/--no-{f.name.replace('_', '-')}", default=None, help=text)(fn)
             elif "list" in str(t):
-                fn = click.option(flag, default=None, help="comma-separated ints")(fn)
+                fn = click.option(flag, default=None, help=f"{text} (comma-separated ints)")(fn)
             else:
                 base = {int: int, float: float}.get(t) or (int if "int" in str(t) else float if "float" in str(t) else str)
-                fn = click.option(flag, type=base, default=None, help=f"default {f.default}")(fn)
+                fn = click.option(flag, type=base, default=None, help=text)(fn)
         return fn
 
     return deco
@@ -50,8 +54,12 @@ def register(main: click.Group) -> None:
     @friendly_errors
     def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype):
         from dflash_trt.pipeline import load_target, load_tokenizer
-        from dflash_trt.train.data import generate_data, load_prompts
+        from dflash_trt.errors import DFlashError
+        from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts
 
+        if source in HELD_OUT:
+            raise DFlashError(f"--prompts {source}: benchmark prompts are held out from training (they measure "
+                              f"the drafter); use stdlib or your own prompt file")
         prompts = load_prompts(source, limit)
         tgt, path = load_target(target, dtype)
         click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))

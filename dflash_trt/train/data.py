@@ -28,6 +28,9 @@ STDLIB_MODULES = ("string", "textwrap", "json", "itertools", "functools", "colle
                   "typing", "queue", "threading", "subprocess", "tempfile", "locale", "gettext", "pprint")
 
 
+HELD_OUT = ("humaneval", "writingbench")  # benchmark sets: never training data (see generate_data)
+
+
 def stdlib_prompts(limit: int | None = None) -> list[str]:
     """Code prompts built from standard-library function docstrings (deterministic order)."""
     out: list[str] = []
@@ -52,12 +55,18 @@ def stdlib_prompts(limit: int | None = None) -> list[str]:
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[str]:
-    """`stdlib`, or a .txt file (one prompt per line) or .jsonl file ({"prompt": ...} per line)."""
+    """`stdlib` (training), `humaneval` / `writingbench` (held-out benchmark sets, for eval only), or a
+    .txt file (one prompt per line) or .jsonl file ({"prompt": ...} per line)."""
     if source == "stdlib":
         return stdlib_prompts(limit)
+    if source in HELD_OUT:
+        from dflash_trt.bench.datasets import load_dataset
+
+        return [p.text for p in load_dataset(source, limit)]
     p = Path(source)
     if not p.is_file():
-        raise DFlashError(f"prompt source {source!r}: not a file and not a built-in source (built-in: stdlib)")
+        raise DFlashError(f"prompt source {source!r}: not a file and not a built-in source "
+                          f"(built-in: stdlib; held-out for eval: {', '.join(HELD_OUT)})")
     prompts = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():

@@ -126,16 +126,21 @@ class LossOutput:
 def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, gamma: float) -> LossOutput:
     """Cross-entropy on block positions 1..B-1 weighted exp(-(k-1)/gamma), averaged over valid blocks."""
     hidden = drafter_train_forward(drafter, taps, blocks)[:, :, 1:]  # [N, J, B-1, d]
-    head = drafter.target.lm_head
-    logits = F.linear(hidden.to(head.weight.dtype), head.weight).float()  # [N, J, B-1, V]
+    logits = drafter.head_logits(hidden)  # [N, J, B-1, Vd]
+    labels = blocks.labels  # [N, J, B-1] token ids
+    if drafter.draft_vocab is not None:  # token ids -> draft-vocab indices; outside: no loss, never correct
+        dv = drafter.draft_vocab.to(labels.device)
+        idx = torch.searchsorted(dv, labels).clamp_max(len(dv) - 1)
+        labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
     B = blocks.block_ids.shape[-1]
     w = position_weights(B, gamma).to(logits.device)
-    ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none",
+                         ignore_index=-100).view_as(labels)
     vmask = blocks.valid.float()
     n = vmask.sum().clamp_min(1.0)
     loss = ((ce * w).sum(-1) / w.sum() * vmask).sum() / n
     with torch.no_grad():
-        correct = (logits.argmax(-1) == blocks.labels).float()  # [N, J, B-1]
+        correct = (logits.argmax(-1) == labels).float()  # [N, J, B-1]
         acc = (correct * vmask[..., None]).sum((0, 1)) / n
         accepted = (correct.cumprod(-1).sum(-1) * vmask).sum() / n
     return LossOutput(loss, acc, accepted, int(vmask.sum().item()))

@@ -55,6 +55,7 @@ class TrainConfig:
     bf16: bool = False  # bf16 autocast, fp32 master weights (for GPUs: AVX2 CPUs emulate bf16 GEMMs slowly)
     features: str = "online"  # online: target forward per step; offline: precomputed once to disk
     features_dir: str | None = None  # offline features location (default OUT/features)
+    draft_vocab: int = 0  # 0: full vocabulary; N: the head covers the N most frequent response tokens (faster)
     save_every: int = 200
     log_every: int = 10
     seed: int = 0
@@ -70,6 +71,8 @@ class TrainConfig:
         for name in ("num_layers", "anchors_per_seq", "epochs", "batch_size", "grad_accum", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.draft_vocab < 0:
+            raise ConfigError(f"draft_vocab={self.draft_vocab}: must be 0 (full vocabulary) or a token count")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
 
@@ -117,7 +120,18 @@ def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.T
     for r, s in enumerate(seqs):
         ids[r, : len(s)] = torch.tensor(s)
     ids = ids.to(target.device)
-    return target.forward(ids, target.new_cache(len(seqs), S), tap_layers).taps
+    no_logits = torch.zeros(len(seqs), 0, dtype=torch.long, device=target.device)  # the LM head is not needed
+    return target.forward(ids, target.new_cache(len(seqs), S), tap_layers, logits_at=no_logits).taps
+
+
+def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
+    """Sorted ids of the n most frequent response tokens (ties: lower id first) -> [<= n]."""
+    counts: dict[int, int] = {}
+    for s in seqs:
+        for t in s["input_ids"][s["prompt_len"]:]:
+            counts[t] = counts.get(t, 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:n]
+    return torch.tensor(sorted(top), dtype=torch.long)
 
 
 def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
@@ -158,8 +172,14 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                     target_layer_ids=cfg.target_layer_ids)
+    vocab = None
+    if cfg.draft_vocab:
+        vocab = frequent_tokens(seqs, min(cfg.draft_vocab, target.vocab_size))
+        dcfg.draft_vocab_size = len(vocab)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
+    if vocab is not None:
+        drafter.draft_vocab.copy_(vocab)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)

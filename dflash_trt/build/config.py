@@ -1,0 +1,168 @@
+"""`BuildConfig`: what `dflash-trt build` builds, from one YAML file plus CLI overrides.
+
+Boundary: the schema and its validation only (no model files are read here; `stages.check`
+verifies that target and drafter fit together). Every field is also a `dflash-trt build --field`
+option; its help text is the `# comment` on the field's line (config.field_help), so the YAML
+schema, `--help` and the code document a field in one place. Validation errors are one line that
+names the field and the fix (ConfigError, exit code 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_trt.errors import ConfigError
+
+BACKENDS = ("torch", "tensorrt-llm", "trtllm-pytorch")
+QUANTS = ("bf16", "fp8", "nvfp4")
+KV_CACHES = ("bf16", "fp8")
+SMS = ("sm_90", "sm_100", "sm_120")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+EMITS = ("vllm", "sglang")
+
+
+@dataclass
+class BuildConfig:
+    """One build: a target + drafter pair -> engines + a Triton model repository."""
+
+    target: str = None  # target model: a registry name (`dflash-trt models list`) or a Hugging Face folder
+    drafter: str = None  # DFlash drafter folder (z-lab layout: config.json + model.safetensors)
+    tokenizer: str | None = None  # tokenizer folder (default: the target folder)
+    backend: str = "torch"  # engine backend: torch | tensorrt-llm | trtllm-pytorch
+    target_quant: str = "bf16"  # target weights: bf16 | fp8 | nvfp4 (Model Optimizer HF layout)
+    drafter_quant: str = "bf16"  # drafter weights: bf16 | fp8 | nvfp4
+    kv_cache: str = "bf16"  # KV cache precision: bf16 | fp8
+    sm: str = "sm_90"  # GPU generation targeted: sm_90 (Hopper) | sm_100 | sm_120 (Blackwell)
+    tp_size: int = 1  # tensor-parallel ranks (TensorRT-LLM checkpoints, trtllm-pytorch, vllm/sglang)
+    dtype: str = "auto"  # compute dtype: auto (torch: fp32 on CPU, bf16 on GPU; TensorRT-LLM: bfloat16) | bfloat16 | float16 | float32
+    max_batch: int = 16  # most concurrent sequences per engine step
+    max_seq_len: int = 2048  # most tokens per sequence (prompt + output)
+    triton_max_batch_size: int = 64  # Triton max_batch_size of the model entry points
+    instance_count: int = 2  # Triton instances of the unary text model
+    decoupled: bool = True  # also serve the streaming (decoupled) entry points dflash_bls and ensemble
+    cpu_threads: int = 0  # torch intra-op threads of the served engine process (0 = torch's default)
+    calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
+    calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
+    eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
+    eval_source: str = "builtin"  # held-out prompts: builtin | humaneval | writingbench | FILE
+    eval_max_new_tokens: int = 64  # greedy tokens generated per eval prompt
+    emit: list[str] = field(default_factory=list)  # also write serving commands for: vllm, sglang (comma-separated)
+    plugins_dir: str | None = None  # AOT-compiled DFlash plugin folder (tensorrt-llm backend)
+
+    def __post_init__(self):
+        self._check_types()
+        self._one_of("backend", BACKENDS)
+        self._one_of("target_quant", QUANTS)
+        self._one_of("drafter_quant", QUANTS)
+        self._one_of("kv_cache", KV_CACHES)
+        self._one_of("sm", SMS)
+        self._one_of("dtype", DTYPES)
+        for name in ("tp_size", "max_batch", "triton_max_batch_size", "instance_count", "eval_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("cpu_threads", "eval_prompts", "calib_prompts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token plus one output)")
+        if self.quantized and self.calib_prompts < 1:
+            raise ConfigError(f"calib_prompts=0: fp8 / nvfp4 need calibration prompts for their activation "
+                              f"scales; set calib_prompts >= 1 (e.g. 16)")
+        if self.eval_source == self.calib_source:
+            raise ConfigError(f"eval_source={self.eval_source}: must differ from calib_source (held-out prompts "
+                              f"measure the quantized models; calibration prompts would flatter them)")
+        emit = self.emit.split(",") if isinstance(self.emit, str) else list(self.emit or [])
+        self.emit = [e.strip().lower() for e in emit if str(e).strip()]
+        bad = [e for e in self.emit if e not in EMITS]
+        if bad:
+            raise ConfigError(f"emit={bad[0]}: unknown; use any of {', '.join(EMITS)} (a list, or comma-separated)")
+        self._check_gpu_generation()
+
+    # ---- helpers --------------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.target_quant != "bf16" or self.drafter_quant != "bf16"
+
+    def quant_of(self, which: str) -> str:
+        """'target' | 'drafter' -> its weight format."""
+        return self.target_quant if which == "target" else self.drafter_quant
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def _one_of(self, name: str, allowed: tuple[str, ...]) -> None:
+        v = getattr(self, name)
+        if isinstance(v, str):
+            v = v.strip().lower()
+            setattr(self, name, v)
+        if v not in allowed:
+            raise ConfigError(f"{name}={v!r}: unknown; use one of {', '.join(allowed)}")
+
+    def _check_types(self) -> None:
+        """YAML and CLI values arrive untyped: check each against the field's annotation (ints may
+        come as '8'; bools as true/false), so a wrong type is one line naming the field."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            v, t = getattr(self, f.name), hints[f.name]
+            optional = type(None) in typing.get_args(t)
+            base = next((a for a in typing.get_args(t) if a is not type(None)), t) if optional else t
+            if v is None:
+                if not optional:
+                    raise ConfigError(f"{f.name}: required; set it in the YAML file or pass --{f.name.replace('_', '-')}")
+                continue
+            if base is bool:
+                if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "1", "0"):
+                    v = v.lower() in ("true", "yes", "1")
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{f.name}={v!r}: must be true or false")
+            elif base is int:
+                if isinstance(v, bool) or not isinstance(v, (int, str)):
+                    raise ConfigError(f"{f.name}={v!r}: must be an integer")
+                try:
+                    v = int(v)
+                except ValueError:
+                    raise ConfigError(f"{f.name}={v!r}: must be an integer") from None
+            elif base is str:
+                if isinstance(v, Path):
+                    v = str(v)
+                if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+                    raise ConfigError(f"{f.name}={v!r}: must be a string")
+                v = str(v)
+            elif typing.get_origin(base) is list:
+                if not isinstance(v, (list, tuple, str)):
+                    raise ConfigError(f"{f.name}={v!r}: must be a list (or a comma-separated string)")
+            setattr(self, f.name, v)
+
+    def _check_gpu_generation(self) -> None:
+        """NVFP4 tensor cores exist on Blackwell only: refuse nvfp4 for sm_90 (quantize.check_quant_target
+        decides; its message is re-worded to this config's field names)."""
+        from dflash_trt.build.quantize import check_quant_target
+
+        for name in ("target_quant", "drafter_quant"):
+            try:
+                check_quant_target(getattr(self, name), self.sm,
+                                   None if self.kv_cache == "bf16" else self.kv_cache)
+            except ConfigError as e:
+                msg = str(e).replace("quantization.weights", name).replace("gpu_arch", "sm")
+                raise ConfigError(msg.replace(": use fp8", f": use {name}: fp8, or sm: sm_100 / sm_120")) from None
+
+
+def load_build_config(path: str | Path | None, overrides: dict | None = None) -> BuildConfig:
+    """BuildConfig from a YAML file plus CLI overrides (None values are ignored); without a file,
+    from the overrides alone. Unknown fields are an error naming them and the valid ones."""
+    from dflash_trt.config import load_yaml_dataclass
+
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if path is not None:
+        return load_yaml_dataclass(BuildConfig, path, overrides)
+    names = {f.name for f in dataclasses.fields(BuildConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(names))}")
+    for req in ("target", "drafter"):
+        if req not in overrides:
+            raise ConfigError(f"{req}: required; pass --config build.yaml or --{req} ...")
+    return BuildConfig(**overrides)

@@ -1,0 +1,80 @@
+"""Load a quantised (Model Optimizer HF layout) target or drafter folder for CPU simulation.
+
+Boundary: dequantise-on-load only. The FP8 / NVFP4 weights of a folder written by the `quantize`
+build stage (hf_quant_config.json + model.safetensors) are turned back into float tensors
+(quantize.dequantize_state_dict) and loaded into the ordinary PyTorch modules, so the engine runs
+with exactly the rounding the quantised checkpoint carries: weight error is simulated, fp8/fp4
+GEMM arithmetic and activation quantisation are not (they need Hopper/Blackwell tensor cores).
+pipeline.load_target / load_drafter call these when a folder has hf_quant_config.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash_trt.build.hf_checkpoint import QUANT_CONFIG_NAME, load_quantized_checkpoint
+from dflash_trt.errors import CheckpointError
+
+
+def is_quantized_dir(folder: str | Path | None) -> bool:
+    return folder is not None and (Path(folder) / QUANT_CONFIG_NAME).is_file()
+
+
+def _dequantized(folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
+    from dflash_trt.build.quantize import dequantize_state_dict
+
+    qstate, hf_qc, cfg = load_quantized_checkpoint(folder)
+    cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    return dequantize_state_dict(qstate, hf_qc, dtype), cfg
+
+
+def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """TargetModel whose Linear weights are the dequantised FP8/NVFP4 weights of `folder`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_trt.engine.target import SUPPORTED_MODEL_TYPES, TargetModel
+
+    folder = Path(folder)
+    state, cfg = _dequantized(folder, dtype)
+    model_type = cfg.pop("model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"{folder}/config.json: model_type={model_type!r}; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    config = AutoConfig.for_model(model_type, **cfg)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    ours = hf.state_dict()
+    # tied embeddings: lm_head.weight is the embedding and is not stored in the checkpoint
+    missing = [k for k in ours if k not in state and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"{folder}: missing tensors {missing[:4]} (written by another tool?)")
+    for k, t in state.items():
+        if k in ours and tuple(t.shape) != tuple(ours[k].shape):
+            raise CheckpointError(f"{folder}: tensor {k} has shape {tuple(t.shape)}, config implies "
+                                  f"{tuple(ours[k].shape)}")
+    hf.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in ours},
+                       strict=False)
+    if config.tie_word_embeddings:
+        hf.tie_weights()
+    return TargetModel(hf.eval())
+
+
+def load_quantized_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None):
+    """DFlashDrafter whose Linear weights are the dequantised FP8/NVFP4 weights of `folder`."""
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.engine.drafter import DFlashDrafter
+
+    folder = Path(folder)
+    state, cfg = _dequantized(folder, torch.float32)
+    model = DFlashDrafter(DrafterConfig.from_json_dict(cfg))
+    ours = model.state_dict()
+    missing = sorted(set(ours) - set(state))
+    if missing:
+        raise CheckpointError(f"drafter {folder}: missing tensors {missing[:4]}")
+    model.load_state_dict({k: state[k] for k in ours}, strict=True)
+    if dtype is not None:
+        model.to(dtype)
+    if target is not None:
+        model.bind(target)
+    return model.eval()

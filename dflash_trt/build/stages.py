@@ -1,0 +1,249 @@
+"""The build stages, one library function each; each writes only its own folder under the build dir.
+
+Boundary: what a stage produces. Ordering, caching, the temp dir and build.json live in
+build/pipeline.py; the TensorRT-LLM / vLLM / SGLang specifics in build/backends.py; the
+quantized-vs-bf16 report in build/quant_eval.py; `check` in build/check.py.
+
+Every stage is `fn(ctx) -> info dict` and writes under `ctx.work` (the temp dir of this build),
+while any path written *into* a file points at `ctx.final` (the out dir the temp dir becomes):
+
+  check/summary.json        check        configs fit; params, memory per precision, KV-cache size
+  quantized/{target,drafter} quantize    Model Optimizer HF layout (only the non-bf16 models)
+  trtllm_ckpt/{target,drafter} convert   TensorRT-LLM 1.2 checkpoints (backend tensorrt-llm)
+  engine/                   engine       torch: target/ drafter/ tokenizer/ manifest.json, ...
+  model_repo/               repo         filled Triton model repository
+  serve/{vllm,sglang}.sh    emit         serving command lines for other engines
+  eval/eval.json            eval         tau and greedy agreement, quantized pair vs bf16 pair
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dflash_trt.build.config import BuildConfig
+
+# files of a model folder that are not weights: copied next to quantised weights so the folder
+# stays a complete Hugging Face folder (tokenizer, chat template, generation defaults)
+AUX_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".py", ".tiktoken")
+WEIGHT_FILES = ("config.json", "hf_quant_config.json")
+
+
+@dataclass
+class Context:
+    cfg: BuildConfig
+    work: Path  # temp dir this build writes into
+    final: Path  # out dir it becomes on success; paths inside files point here
+    dirs: dict[str, Path]  # resolved inputs: target, drafter, tokenizer
+    echo: Callable[[str], None] = print
+    progress: bool = True
+    info: dict = field(default_factory=dict)  # stage name -> info of the stages run or cached so far
+
+    def model_dir(self, which: str, final: bool = False) -> Path:
+        """The folder the engine uses for 'target' / 'drafter': quantised if asked, else the input."""
+        if self.cfg.quant_of(which) != "bf16":
+            return (self.final if final else self.work) / "quantized" / which
+        return self.dirs[which]
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link a file when src and dst share a filesystem (model weights are large and never
+    modified in place), else copy it."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def copy_tree(src: Path, dst: Path, files_only: bool = False) -> None:
+    for f in sorted(src.rglob("*") if not files_only else src.iterdir()):
+        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(src).parts):
+            link_or_copy(f, dst / f.relative_to(src))
+
+
+def copy_aux_files(src: Path, dst: Path) -> None:
+    """Non-weight files of a HF folder (tokenizer, templates, generation config), not config.json."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix in AUX_SUFFIXES and f.name not in WEIGHT_FILES and not (dst / f.name).exists():
+            link_or_copy(f, dst / f.name)
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+# ---- check -------------------------------------------------------------------------------------
+def stage_check(ctx: Context) -> dict:
+    from dflash_trt.build.check import check, print_summary
+
+    summary = check(ctx.cfg, ctx.dirs)
+    write_json(ctx.work / "check" / "summary.json", summary)
+    if ctx.progress:
+        print_summary(summary)
+    return {"target_params": summary["target"]["params"], "drafter_params": summary["drafter"]["params"],
+            "block_size": summary["drafter"]["block_size"]}
+
+
+# ---- quantize ----------------------------------------------------------------------------------
+def _calibration_ids(ctx: Context, tok) -> list[list[int]]:
+    from dflash_trt.pipeline import encode
+    from dflash_trt.train.data import load_prompts
+
+    prompts = load_prompts(ctx.cfg.calib_source, ctx.cfg.calib_prompts)
+    chat = bool(getattr(tok, "chat_template", None))
+    return [encode(tok, p, chat)[: max(8, ctx.cfg.max_seq_len // 2)] for p in prompts]
+
+
+def stage_quantize(ctx: Context) -> dict:
+    """Calibrate activation amax on a few prompts, then write FP8 / NVFP4 checkpoints in Model
+    Optimizer's HF export layout (quantized/target, quantized/drafter) for the non-bf16 models."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_trt.build.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.pipeline import load_drafter, load_target, load_tokenizer
+    from dflash_trt.spec.loop import generate
+
+    cfg = ctx.cfg
+    kv = None if cfg.kv_cache == "bf16" else cfg.kv_cache
+    target, _ = load_target(str(ctx.dirs["target"]), "float32", progress=False)  # calibrate in full precision
+    drafter = load_drafter(target, str(ctx.dirs["drafter"]))
+    ids = _calibration_ids(ctx, load_tokenizer(ctx.dirs["tokenizer"]))
+    out = {}
+    for which in ("target", "drafter"):
+        fmt = cfg.quant_of(which)
+        if fmt == "bf16":
+            continue
+        if which == "target":  # prefill forwards of the HF model: module names = state-dict names
+            amax = calibrate_act_amax(target.hf, lambda p: target.hf(torch.tensor([p])), ids, progress=ctx.progress)
+        else:  # the drafter sees target features only inside real DFlash decoding
+            params = SamplingParams(max_new_tokens=8)
+            amax = calibrate_act_amax(drafter, lambda p: generate(target, drafter, [p], params), ids,
+                                      progress=ctx.progress)
+        src = ctx.dirs[which]
+        state = {}
+        for f in sorted(src.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        qstate, hf_qc = quantize_state_dict(state, fmt, act_amax=amax, kv_cache=kv)
+        dst = ctx.work / "quantized" / which
+        config = json.loads((src / "config.json").read_text())
+        save_quantized_checkpoint(dst, qstate, hf_qc, config=config)
+        copy_aux_files(src, dst)
+        if which == "target" and ctx.dirs["tokenizer"] != src:
+            copy_aux_files(ctx.dirs["tokenizer"], dst)
+        n = sum(1 for k in qstate if k.endswith(".weight_scale"))
+        out[which] = {"format": hf_qc["quantization"]["quant_algo"], "quantized_linears": n,
+                      "calibration_prompts": len(ids), "kv_cache_quant_algo": hf_qc["quantization"]["kv_cache_quant_algo"]}
+        ctx.echo(f"quantize: {which} -> {fmt} ({n} linear layers, {len(ids)} calibration prompts)")
+    return out
+
+
+# ---- convert (tensorrt-llm) --------------------------------------------------------------------
+def trtllm_dtype(cfg: BuildConfig) -> str:
+    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+
+
+def stage_convert(ctx: Context) -> dict:
+    """TensorRT-LLM 1.2 checkpoints (config.json + rank{N}.safetensors) of both models."""
+    from dflash_trt.build.convert import convert_drafter, convert_target
+
+    cfg, kv = ctx.cfg, (None if ctx.cfg.kv_cache == "bf16" else ctx.cfg.kv_cache)
+    out = {}
+    for which, fn in (("target", convert_target), ("drafter", convert_drafter)):
+        dst = ctx.work / "trtllm_ckpt" / which
+        fn(str(ctx.model_dir(which)), dst, tp_size=cfg.tp_size, dtype=trtllm_dtype(cfg), kv_cache=kv)
+        out[which] = {"ranks": cfg.tp_size, "architecture": json.loads((dst / "config.json").read_text())["architecture"]}
+    ctx.echo(f"convert: TensorRT-LLM checkpoints, tp_size={cfg.tp_size}, dtype {trtllm_dtype(cfg)}")
+    return out
+
+
+# ---- engine --------------------------------------------------------------------------------------
+def _torch_engine(ctx: Context) -> dict:
+    """engine/{target,drafter,tokenizer} + manifest.json; quantised folders are kept quantised and
+    dequantised on load (build/simulate.py). Loaded once here to prove the folder works."""
+    from dflash_trt.pipeline import load_drafter, load_target
+
+    eng = ctx.work / "engine"
+    for which in ("target", "drafter"):
+        copy_tree(ctx.model_dir(which), eng / which, files_only=True)
+    tok = eng / "tokenizer"
+    tok.mkdir(parents=True, exist_ok=True)
+    copy_aux_files(ctx.dirs["tokenizer"], tok)
+    target, _ = load_target(str(eng / "target"), ctx.cfg.dtype, progress=False)
+    drafter = load_drafter(target, str(eng / "drafter"))
+    manifest = {
+        "backend": "torch", "dtype": ctx.cfg.dtype, "target": "target", "drafter": "drafter", "tokenizer": "tokenizer",
+        "target_quant": ctx.cfg.target_quant, "drafter_quant": ctx.cfg.drafter_quant, "kv_cache": ctx.cfg.kv_cache,
+        "block_size": drafter.config.block_size, "max_batch": ctx.cfg.max_batch, "max_seq_len": ctx.cfg.max_seq_len,
+        "simulation": ("fp8/nvfp4 weights are dequantised on load: weight rounding is exact, low-precision "
+                       "GEMMs and activation/KV quantisation are not simulated") if ctx.cfg.quantized else None,
+    }
+    write_json(eng / "manifest.json", manifest)
+    ctx.echo(f"engine: torch engine folder (target {ctx.cfg.target_quant}, drafter {ctx.cfg.drafter_quant})")
+    return {"block_size": drafter.config.block_size}
+
+
+def stage_engine(ctx: Context) -> dict:
+    from dflash_trt.build import backends
+
+    if ctx.cfg.backend == "torch":
+        return _torch_engine(ctx)
+    if ctx.cfg.backend == "tensorrt-llm":
+        return backends.build_trtllm_engines(ctx)
+    return backends.write_llmapi_engine(ctx)
+
+
+# ---- repo -----------------------------------------------------------------------------------------
+STREAMING_MODELS = ("dflash_bls", "ensemble")  # decoupled entry points, dropped when decoupled: false
+
+
+def stage_repo(ctx: Context) -> dict:
+    """Fill the model_repo templates with this build's engine paths (pointing into the final out dir)."""
+    from dflash_trt.build import backends
+    from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+
+    cfg = ctx.cfg
+    if cfg.backend == "trtllm-pytorch":
+        return backends.write_llmapi_repo(ctx)
+    eng = ctx.final / "engine"
+    values = default_values(eng / "target", eng / "drafter", eng / "tokenizer",
+                            engine_backend=cfg.backend, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len,
+                            dtype=cfg.dtype, triton_max_batch_size=cfg.triton_max_batch_size,
+                            unary_instance_count=cfg.instance_count, cpu_threads=cfg.cpu_threads)
+    repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)
+    if not cfg.decoupled:
+        for name in STREAMING_MODELS:
+            shutil.rmtree(repo / name, ignore_errors=True)
+    models = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
+    if cfg.backend == "tensorrt-llm":
+        ctx.echo("repo: note: the dflash Python model serves the torch engine only; the TensorRT-LLM engines "
+                 "are recorded for a TensorRT-LLM-capable serving build")
+    ctx.echo(f"repo: {len(models)} models ({', '.join(models)})")
+    return {"models": models}
+
+
+def stage_emit(ctx: Context) -> dict:
+    from dflash_trt.build import backends
+
+    return backends.emit_commands(ctx)
+
+
+def stage_eval(ctx: Context) -> dict:
+    from dflash_trt.build.quant_eval import evaluate_quantized
+
+    return evaluate_quantized(ctx)
+
+
+def preflight(cfg: BuildConfig) -> None:
+    """Refusals that must happen before anything is written (missing TensorRT-LLM / GPU)."""
+    if cfg.backend == "tensorrt-llm":
+        from dflash_trt.build.backends import trtllm_preflight
+
+        trtllm_preflight(cfg)

@@ -1,0 +1,400 @@
+"""Time the DFlash Triton kernels on a GPU against the engine's PyTorch path and the bandwidth bound.
+
+    python scripts/gpu_check.py              # on a CUDA GPU (scripts/gpu_check.sh runs the tests first)
+    python scripts/gpu_check.py --dry-run    # same code path on CPU in Triton's interpreter, tiny shapes
+
+For every case: the Triton launcher's time, the time of what the PyTorch engine does instead
+(engine/drafter.py's per-layer projections + cache writes, its masked SDPA over the cache with
+GQA repeat, spec/verify.py's acceptance), the speedup, and the share of the memory-bandwidth
+bound reached: (minimum bytes the op must move: every input read once, every output written
+once) / peak bandwidth, divided by the kernel's time. Every kernel output is also checked
+against dflash_trt/kernels/reference.py (or spec/verify.py) at the same shape. A last section
+runs generate() with kernels="triton" and "torch" on a tiny random model (needs transformers)
+and checks the tokens are identical, and times one whole drafter step at the real shape.
+
+Shapes are those of a Qwen3-8B DFlash drafter: hidden 4096, 32 heads, 8 kv heads, head_dim 128,
+5 layers, block 16, bf16, vocabulary 151936; contexts 1K-8K; batch 1-32.
+Output: one table on stdout; JSON to $OUT/gpu_check.json when $OUT is set (or --json FILE).
+--dry-run times are CPU-interpreter times of tiny shapes: they prove the script, not the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+else:
+    os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, also when not pip-installed
+
+import torch  # noqa: E402
+
+PEAK_TBS = {"H200": 4.8, "H100": 3.35, "H20": 4.0, "B200": 8.0, "B300": 8.0, "GB200": 8.0, "A100": 2.0}
+
+# ---- shapes -----------------------------------------------------------------------------------
+REAL = dict(d=4096, H=32, HKV=8, D=128, L=5, B=16, V=151936, dtype=torch.bfloat16)
+TINY = dict(d=64, H=4, HKV=2, D=32, L=2, B=4, V=300, dtype=torch.float32)
+REAL_CASES = dict(
+    inject=[(1, 16, 4096), (16, 16, 4096), (32, 16, 8192), (1, 2048, 4096)],  # (rows, new tokens, cache slots)
+    attention=[(1, 1024), (1, 8192), (16, 4096), (32, 8192)],  # (rows, context)
+    greedy=[1, 32],  # rows
+    rejection=[1, 32],
+    step=[(1, 4096), (16, 4096)],  # whole drafter step (rows, context)
+)
+TINY_CASES = dict(inject=[(1, 4, 24), (3, 5, 24)], attention=[(1, 0), (3, 20)], greedy=[1, 3], rejection=[1, 3],
+                  step=[(2, 12)])
+
+
+# ---- timing -----------------------------------------------------------------------------------
+def bench(fn, dev) -> float:
+    """Median microseconds per call (GPU: triton.testing.do_bench, L2 flushed; dry-run: one call)."""
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    fn()  # compile / warm up
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+class Report:
+    def __init__(self, dev, peak_tbs):
+        self.dev, self.peak = dev, peak_tbs * 1e12
+        self.rows = []
+
+    def add(self, kernel, shape, t_triton, t_torch, nbytes, err, ok, err_label="max err"):
+        bound_us = nbytes / self.peak * 1e6
+        self.rows.append(dict(kernel=kernel, shape=shape, triton_us=t_triton, torch_us=t_torch,
+                              speedup=t_torch / t_triton, bytes=nbytes, bound_us=bound_us,
+                              pct_of_bound=100 * bound_us / t_triton, max_err=err, err_label=err_label, ok=ok))
+        r = self.rows[-1]
+        print(f"  {kernel:22s} {shape:34s} {t_triton:10.1f} {t_torch:10.1f} {r['speedup']:7.2f}x "
+              f"{r['pct_of_bound']:6.1f}%  {'ok' if ok else 'MISMATCH'} ({err:.2g})", flush=True)
+
+    def table(self) -> str:
+        head = ["kernel", "shape", "triton us", "torch us", "speedup", "% of BW bound", "check vs reference"]
+        lines = [[r["kernel"], r["shape"], f"{r['triton_us']:.1f}", f"{r['torch_us']:.1f}", f"{r['speedup']:.2f}x",
+                  f"{r['pct_of_bound']:.1f}%",
+                  f"{'ok' if r['ok'] else 'MISMATCH'} ({r['err_label']} {r['max_err']:.2g})"]
+                 for r in self.rows]
+        w = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+        fmt = lambda row: "| " + " | ".join(str(x).ljust(n) for x, n in zip(row, w)) + " |"  # noqa: E731
+        return "\n".join([fmt(head), "|" + "|".join("-" * (n + 2) for n in w) + "|", *map(fmt, lines)])
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---- the engine's PyTorch path, per op ----------------------------------------------------------
+def rms(x, w, eps=1e-6):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def torch_inject(h, positions, wk, wv, knw, inv_freq, cache):
+    """engine/drafter.py inject_context after fuse(): per layer k_proj, k_norm, RoPE, v_proj, cache writes."""
+    from dflash_trt.engine.target import apply_rope
+
+    R, n, _ = h.shape
+    D = knw.shape[-1]
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+    for layer in range(wk.shape[0]):
+        k = rms((h @ wk[layer].T).view(R, n, -1, D), knw[layer]).transpose(1, 2)
+        v = (h @ wv[layer].T).view(R, n, -1, D).transpose(1, 2)
+        cache.write(layer, apply_rope(k, cos, sin), v, positions)
+
+
+def torch_attention(q, kb, vb, cache, positions):
+    """engine/drafter.py draft_block, one layer: write the block into the cache, masked SDPA (GQA repeat)."""
+    from dflash_trt.engine.target import cached_attention
+
+    R, B = positions.shape
+    upto = int(positions.max()) + 1
+    visible = (torch.arange(upto, device=q.device)[None, :] < (cache.lengths + B)[:, None])[:, None, :]
+    cache.write(0, kb, vb, positions)
+    k, v = cache.view(0, upto)
+    return cached_attention(q, k, v, visible.expand(R, B, upto), q.shape[-1] ** -0.5)
+
+
+# ---- cases ------------------------------------------------------------------------------------
+def max_err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def tol(dtype) -> float:
+    return 2e-4 if dtype == torch.float32 else 6e-2
+
+
+def run_inject(rep, cfg, cases, dev, g):
+    from dflash_trt.engine.cache import KVCache
+    from dflash_trt.kernels import kv_inject
+    from dflash_trt.kernels.reference import kv_inject_ref, rope_inv_freq
+
+    d, HKV, D, L, dt = cfg["d"], cfg["HKV"], cfg["D"], cfg["L"], cfg["dtype"]
+    wk = (torch.randn(L, HKV * D, d, generator=g, device=dev) * d ** -0.5).to(dt)
+    wv = (torch.randn(L, HKV * D, d, generator=g, device=dev) * d ** -0.5).to(dt)
+    knw = (torch.rand(L, D, generator=g, device=dev) + 0.5).to(dt)
+    inv_freq = rope_inv_freq(D, 1e6).to(dev)
+    for R, n, S in cases:
+        h = torch.randn(R, n, d, generator=g, device=dev).to(dt)
+        start = torch.randint(0, S - n + 1, (R, 1), generator=g, device=dev)
+        pos = start + torch.arange(n, device=dev)
+        n_new = torch.full((R,), n, device=dev)
+        kc = torch.zeros(L, R, HKV, S, D, dtype=dt, device=dev)
+        vc = torch.zeros_like(kc)
+        t_tri = bench(lambda: kv_inject(h, pos, n_new, wk, wv, knw, inv_freq, kc, vc), dev)
+        cache = KVCache(L, R, HKV, D, S, dt, dev)
+        t_torch = bench(lambda: torch_inject(h, pos, wk, wv, knw, inv_freq, cache), dev)
+        kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+        kv_inject_ref(h, pos, n_new, wk, wv, knw, inv_freq, kr, vr)
+        err = max(max_err(kc, kr), max_err(vc, vr))
+        moved = nbytes(h, wk, wv, knw, pos) + 2 * L * R * n * HKV * D * kc.element_size()
+        rep.add("kv_inject", f"R={R} new={n} L={L} d={d} Hkv={HKV} D={D}", t_tri, t_torch, moved, err,
+                err <= tol(dt) * max(1.0, kr.float().abs().max().item()))
+        del kc, vc, kr, vr, cache
+
+
+def run_attention(rep, cfg, cases, dev, g):
+    from dflash_trt.engine.cache import KVCache
+    from dflash_trt.kernels import block_draft_attention
+    from dflash_trt.kernels.reference import block_draft_attention_ref
+
+    H, HKV, D, B, dt = cfg["H"], cfg["HKV"], cfg["D"], cfg["B"], cfg["dtype"]
+    for R, ctx in cases:
+        S = ctx + 2 * B
+        q = torch.randn(R, H, B, D, generator=g, device=dev).to(dt)
+        kb, vb = (torch.randn(R, HKV, B, D, generator=g, device=dev).to(dt) for _ in range(2))
+        cache = KVCache(1, R, HKV, D, S, dt, dev)
+        cache.k[0].normal_(generator=g)
+        cache.v[0].normal_(generator=g)
+        cache.lengths.fill_(ctx)
+        ctx_len = cache.lengths.to(torch.int32)
+        pos = ctx + torch.arange(B, device=dev).expand(R, B)
+        out = block_draft_attention(q, kb, vb, cache.k[0], cache.v[0], ctx_len)
+        ref = block_draft_attention_ref(q, kb, vb, cache.k[0], cache.v[0], ctx_len)
+        err = max_err(out, ref)
+        t_tri = bench(lambda: block_draft_attention(q, kb, vb, cache.k[0], cache.v[0], ctx_len), dev)
+        t_torch = bench(lambda: torch_attention(q, kb, vb, cache, pos), dev)
+        moved = 2 * nbytes(q) + nbytes(kb, vb) + 2 * R * HKV * ctx * D * q.element_size()
+        rep.add("block_draft_attention", f"R={R} ctx={ctx} B={B} H={H} Hkv={HKV} D={D}", t_tri, t_torch, moved,
+                err, err <= tol(dt))
+        del cache, out, ref
+
+
+def run_accept(rep, cfg, greedy_rows, rejection_rows, dev, g):
+    from dflash_trt.kernels import greedy_accept, rejection_accept
+    from dflash_trt.spec import verify
+
+    B, V = cfg["B"], cfg["V"]
+    for R in greedy_rows:
+        logits = torch.randn(R, B, V, generator=g, device=dev)  # the target's logits are float32
+        am = logits.argmax(-1)
+        draft = torch.cat([am[:, :1], am[:, :-1]], 1)  # all drafts match ...
+        draft[R // 2:, B // 2] = (draft[R // 2:, B // 2] + 1) % V  # ... except half the rows, mid-block
+        got = greedy_accept(draft, logits)
+        ref = verify.greedy_accept(draft, logits.argmax(-1))
+        ok = torch.equal(got.accepted, ref.accepted) and torch.equal(got.bonus, ref.bonus)
+        t_tri = bench(lambda: greedy_accept(draft, logits), dev)
+        t_torch = bench(lambda: verify.greedy_accept(draft, logits.argmax(-1)), dev)
+        rep.add("greedy_accept (logits)", f"R={R} B={B} V={V} fp32", t_tri, t_torch, nbytes(logits, draft),
+                0.0 if ok else 1.0, ok, "exact; err")
+    for R in rejection_rows:
+        p = torch.softmax(torch.randn(R, B, V, generator=g, device=dev) * 3, -1)
+        q = torch.softmax(torch.randn(R, B - 1, V, generator=g, device=dev) * 3, -1)
+        draft = torch.randint(0, V, (R, B), generator=g, device=dev)
+        draft[:, 1:] = q.argmax(-1)
+        ua, us = torch.rand(R, B - 1, generator=g, device=dev) * 0.05, torch.rand(R, generator=g, device=dev)
+        args = (draft, p, q, ua, us)
+        got, ref = rejection_accept(*args), verify.rejection_accept(*args)
+        ok = torch.equal(got.accepted, ref.accepted) and valid_bonus(p, q, got.accepted, us, got.bonus)
+        n_diff = int((got.bonus != ref.bonus).sum())  # fp32 CDF rounding at a token boundary: both valid
+        t_tri = bench(lambda: rejection_accept(*args), dev)
+        t_torch = bench(lambda: verify.rejection_accept(*args), dev)
+        moved = nbytes(draft, ua, us) + 2 * R * V * p.element_size()  # p and q rows at the accepted slot
+        rep.add("rejection_accept", f"R={R} B={B} V={V} fp32", t_tri, t_torch, moved, n_diff, ok,
+                "rows with another valid bonus:")
+
+
+def valid_bonus(p, q, accepted, u, bonus, rel=1e-4) -> bool:
+    """Every bonus is an inverse-CDF sample of its row's residual at u, up to fp32 rounding (float64 CDF).
+    At V=152k a CDF step (~1/V) is close to fp32 rounding of the running sum, so two exact
+    implementations that sum in different orders may pick neighbouring tokens; the check column
+    of rejection_accept shows how many rows picked a different (valid) token than spec/verify.py."""
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_at = p[rows, accepted].double()
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted].double()
+    res = (p_at - q_pad).clamp(min=0)
+    mass = res.sum(-1, keepdim=True)
+    dist = torch.where(mass > 0, res / mass.clamp_min(1e-300), p_at)
+    cdf = dist.cumsum(-1)
+    target = u.double() * cdf[:, -1]
+    b = bonus.long()
+    below = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(target))
+    at = cdf.gather(1, b[:, None])[:, 0]
+    return bool(((below <= target * (1 + rel) + 1e-9) & (at >= target * (1 - rel) - 1e-9)).all())
+
+
+class _StubTarget:
+    """What DFlashDrafter.bind / draft_block need of a target: config, sizes, device, embedding."""
+
+    def __init__(self, cfg, dev, dtype):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(hidden_size=cfg.hidden_size)
+        self.vocab_size, self.num_layers, self.device, self.dtype = cfg.vocab_size, cfg.num_target_layers, dev, dtype
+        self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=dtype)
+
+
+def run_drafter_step(rep, cfg, cases, dev, g):
+    """One whole drafter step at the real shape: inject B verified tokens, draft one block."""
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.engine.drafter import DFlashDrafter
+
+    d, B, dt = cfg["d"], cfg["B"], cfg["dtype"]
+    dc = DrafterConfig(hidden_size=d, intermediate_size=3 * d, num_hidden_layers=cfg["L"],
+                       num_attention_heads=cfg["H"], num_key_value_heads=cfg["HKV"], head_dim=cfg["D"],
+                       vocab_size=cfg["V"], num_target_layers=36, target_layer_ids=[1, 9, 17, 25, 33],
+                       mask_token_id=0, block_size=B)
+    with torch.device(dev):
+        drafter = DFlashDrafter(dc)
+    drafter.bind(_StubTarget(dc, dev, dt)).eval()
+    for R, ctx in cases:
+        taps = torch.randn(R, B, 5 * d, generator=g, device=dev).to(dt)
+        n_new = torch.full((R,), B, device=dev)
+        block = torch.randint(0, dc.vocab_size, (R, B), generator=g, device=dev)
+        out, times, context = {}, {}, None
+        for mode in ("triton", "torch"):
+            drafter.use_kernels(mode)
+            cache = drafter.new_cache(R, ctx + B)
+            if context is None:  # any context K/V, the same for both paths
+                context = torch.randn(cache.k[0].shape, generator=g, device=dev).to(dt)
+            for t in (*cache.k, *cache.v):
+                t.copy_(context)
+
+            def step():
+                cache.lengths.fill_(ctx)
+                drafter.inject_context(taps, n_new, cache)
+                return drafter.draft_block(block, cache)
+
+            out[mode] = step()
+            times[mode] = bench(step, dev)
+        drafter.use_kernels("torch")
+        err = max_err(out["triton"], out["torch"])
+        weights = sum(nbytes(p) for p in drafter.parameters())
+        moved = weights + nbytes(taps) + 2 * dc.num_hidden_layers * R * dc.num_key_value_heads * (ctx + B) * \
+            dc.head_dim * taps.element_size()
+        scale = out["torch"].float().abs().max().item()  # bf16: the paths round differently; flag layout-size errors
+        rep.add("drafter step", f"R={R} ctx={ctx} inject {B} + block {B}, L={dc.num_hidden_layers}",
+                times["triton"], times["torch"], moved, err, err <= (1e-3 if dt == torch.float32 else 0.1) * scale)
+        del cache, context
+
+
+def engine_parity(dev) -> dict:
+    """generate() with kernels='triton' emits exactly kernels='torch''s tokens (tiny random Qwen3)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_trt.config import DrafterConfig, SamplingParams
+    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.spec.loop import generate, generate_baseline
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, intermediate_size=256, vocab_size=256, max_position_embeddings=512)
+    hf_cfg.eos_token_id = None
+    target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).float().eval().to(dev))
+    cfg = DrafterConfig.for_target(target.config, num_layers=2, block_size=8)
+    cfg = dataclasses.replace(cfg, head_dim=64)  # the kernels need a power of two >= 32
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg).float().bind(target).eval()
+    prompts = [[5, 17, 33, 2, 9], [100], [8, 8, 200, 31, 4, 66, 1]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    res = {m: generate(target, drafter, prompts, params, kernels=m) for m in ("torch", "triton")}
+    base = generate_baseline(target, prompts, params)
+    same = res["triton"].tokens == res["torch"].tokens == base.tokens
+    return {"identical_tokens": same, "rows": len(prompts), "block_size": 8,
+            "accept_hist_equal": res["triton"].stats.accept_hist == res["torch"].stats.accept_hist}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--json", default=None, help="write results here (default: $OUT/gpu_check.json if $OUT)")
+    ap.add_argument("--peak-tbs", type=float, default=None, help="peak memory bandwidth in TB/s (default by GPU)")
+    ap.add_argument("--only", default="inject,attention,greedy,rejection,step,engine",
+                    help="comma-separated sections")
+    args = ap.parse_args()
+    sections = set(args.only.split(","))
+
+    from dflash_trt.kernels import kernels_available
+
+    if not kernels_available():
+        print("error: Triton kernels cannot run here (need triton and a CUDA GPU; or --dry-run)", file=sys.stderr)
+        return 2
+    import triton
+
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    name = "cpu (Triton interpreter, DRY RUN)" if args.dry_run else torch.cuda.get_device_name(0)
+    peak = args.peak_tbs or next((v for k, v in sorted(PEAK_TBS.items(), key=lambda kv: -len(kv[0])) if k in name),
+                                 4.8)
+    cfg, cases = (TINY, TINY_CASES) if args.dry_run else (REAL, REAL_CASES)
+    print(f"device: {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); triton {triton.__version__}; "
+          f"bandwidth bound at {peak} TB/s", flush=True)
+    if args.dry_run:
+        print("DRY RUN: CPU interpreter on tiny shapes; these times are NOT GPU numbers", flush=True)
+    rep = Report(dev, peak)
+    g = torch.Generator(device=dev).manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if "inject" in sections:
+            run_inject(rep, cfg, cases["inject"], dev, g)
+        if "attention" in sections:
+            run_attention(rep, cfg, cases["attention"], dev, g)
+        if sections & {"greedy", "rejection"}:
+            run_accept(rep, cfg, cases["greedy"] if "greedy" in sections else [],
+                       cases["rejection"] if "rejection" in sections else [], dev, g)
+        if "step" in sections:
+            run_drafter_step(rep, cfg, cases["step"], dev, g)
+        engine = engine_parity(dev) if "engine" in sections else {"skipped": "not selected"}
+    title = (f"DFlash kernels on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+             f"triton {triton.__version__}; BW bound at {peak} TB/s")
+    print(f"\n{title}\n{rep.table()}")
+    print(f"engine parity (generate kernels=triton vs torch vs baseline, greedy): {engine}")
+    print(f"total {time.perf_counter() - t0:.0f}s")
+    result = {"title": title, "device": name, "dry_run": args.dry_run, "torch": torch.__version__,
+              "cuda": torch.version.cuda, "triton": triton.__version__, "python": platform.python_version(),
+              "peak_tbs": peak, "shapes": {k: str(v) for k, v in cfg.items()}, "rows": rep.rows,
+              "engine_parity": engine, "table_markdown": rep.table()}
+    out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+    bad = [r for r in rep.rows if not r["ok"]]
+    engine_bad = engine.get("identical_tokens") is False
+    if bad or engine_bad:
+        print(f"FAILED: {len(bad)} kernel mismatches{', engine tokens differ' if engine_bad else ''}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""`dflash-trt build` on tiny random models: the torch build served by a real tritonserver, config
+errors, the stage cache, atomic out dirs, the TensorRT-LLM refusal, the llmapi / vLLM / SGLang files
+and the quantized-vs-bf16 eval report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from conftest import tiny_drafter, tiny_hf, tiny_model_dir
+
+from dflash_trt.cli import main
+from dflash_trt.config import DrafterConfig
+from dflash_trt.engine.target import TargetModel
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared 2-core host run much faster on one intra-op thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    tiny_model_dir(root / "target")
+    target = TargetModel.from_pretrained(root / "target", dtype=torch.float32)
+    tiny_drafter(target, block_size=BLOCK).save_pretrained(root / "drafter")
+    return root, target
+
+
+def write_yaml(path: Path, **fields) -> Path:
+    path.write_text(yaml.safe_dump(fields))
+    return path
+
+
+def base_fields(root: Path, **over) -> dict:
+    return {"target": str(root / "target"), "drafter": str(root / "drafter"), "dtype": "float32", "max_batch": 4,
+            "max_seq_len": 256, "instance_count": 1, "cpu_threads": 1, **over}
+
+
+def cli(*args):
+    return CliRunner().invoke(main, ["build", *map(str, args)], catch_exceptions=False)
+
+
+def build(tmp_path, root, out_name="out", *extra, **fields):
+    cfg = write_yaml(tmp_path / f"{out_name}.yaml", **base_fields(root, **fields))
+    out = tmp_path / out_name
+    r = cli("--config", cfg, "--out", out, *extra)
+    assert r.exit_code == 0, r.output
+    return out, json.loads((out / "build.json").read_text())
+
+
+def statuses(manifest) -> dict[str, str]:
+    return {k: v["status"] for k, v in manifest["stages"].items()}
+
+
+def leftovers(parent: Path, name: str) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+# ---- (a) torch build served by the real tritonserver -------------------------------------------
+def test_torch_build_is_served_with_in_process_greedy_text(pair, tmp_path):
+    pytest.importorskip("pytriton", reason="nvidia-pytriton not installed (pip install 'dflash-trt[serve]')")
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed")
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.pipeline import load_drafter
+    from dflash_trt.serving.client import DFlashClient
+    from dflash_trt.serving.server import TritonServer
+    from dflash_trt.serving.text import TextCodec
+    from dflash_trt.spec.loop import generate
+
+    root, target = pair
+    out, manifest = build(tmp_path, root)
+    assert statuses(manifest) == {"check": "ran", "quantize": "not needed", "convert": "not needed", "engine": "ran",
+                                  "repo": "ran", "emit": "not needed", "eval": "not needed"}
+    assert manifest["inputs"]["target"]["files"]["model.safetensors"]
+    assert manifest["versions"]["torch"] and manifest["versions"]["transformers"] and manifest["config"]["max_batch"] == 4
+    assert json.loads((out / "engine" / "manifest.json").read_text())["block_size"] == BLOCK
+    codec = TextCodec.from_dir(out / "engine" / "tokenizer")
+    drafter = load_drafter(target, str(out / "engine" / "drafter"))
+    with TritonServer(out / "model_repo", startup_timeout=300) as srv, DFlashClient(srv.grpc_url) as client:
+        for prompt, n in [("hello world", 20), ("héllo wörld ✓ 漢字", 12)]:
+            toks = generate(target, drafter, [codec.encode(prompt, False)], SamplingParams(max_new_tokens=n)).tokens[0]
+            assert client.generate(prompt, max_tokens=n)["text"] == codec.decode(toks)
+
+
+# ---- (b) bad configs fail in check with one line naming the field ------------------------------
+def _other_target_drafter(root: Path) -> Path:
+    """A drafter made for a different (narrower) target: hidden_size 32 instead of 64."""
+    folder = root / "other_drafter"
+    if not folder.exists():
+        cfg = DrafterConfig.for_target(tiny_hf(hidden_size=32).config, num_layers=1, block_size=BLOCK)
+        from dflash_trt.engine.drafter import DFlashDrafter
+
+        DFlashDrafter(cfg).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case, want", [
+    ("unknown_field", "max_batchh"),
+    ("wrong_type", "max_batch='lots': must be an integer"),
+    ("incompatible_drafter", "hidden_size"),
+    ("nvfp4_on_hopper", "target_quant=nvfp4"),
+    ("missing_tokenizer", "tokenizer="),
+])
+def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
+    root, _ = pair
+    fields = base_fields(root)
+    if case == "unknown_field":
+        fields["max_batchh"] = 3
+    elif case == "wrong_type":
+        fields["max_batch"] = "lots"
+    elif case == "incompatible_drafter":
+        fields["drafter"] = str(_other_target_drafter(root))
+    elif case == "nvfp4_on_hopper":
+        fields.update(target_quant="nvfp4", sm="sm_90")
+    else:
+        fields["tokenizer"] = str(root / "drafter")  # a folder without tokenizer files
+    r = cli("check", "--config", write_yaml(tmp_path / "b.yaml", **fields))
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0].startswith("error: ") and want in lines[0], lines[0]
+    if case == "nvfp4_on_hopper":
+        assert "sm=sm_90" in lines[0] and "Blackwell" in lines[0]
+
+
+def test_cli_override_and_dry_check(pair, tmp_path):
+    root, _ = pair
+    cfg = write_yaml(tmp_path / "c.yaml", **base_fields(root))
+    r = cli("check", "--config", cfg, "--max-batch", "oops")
+    assert r.exit_code == 2 and "max_batch='oops'" in r.output
+    r = cli("check", "--config", cfg)
+    assert r.exit_code == 0 and "check: ok" in r.output and not (tmp_path / "out").exists()
+
+
+def test_stage_subcommand_runs_that_stage_and_its_dependencies(pair, tmp_path):
+    root, _ = pair
+    cfg = write_yaml(tmp_path / "s.yaml", **base_fields(root))
+    r = cli("engine", "--config", cfg, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "out" / "build.json").read_text())
+    assert statuses(m)["check"] == statuses(m)["engine"] == "ran" and statuses(m)["repo"] == "not run"
+    assert not (tmp_path / "out" / "model_repo").exists()
+    r = cli("--config", cfg, "--out", tmp_path / "out")  # the full build reuses what the stage built
+    m = json.loads((tmp_path / "out" / "build.json").read_text())
+    assert statuses(m)["engine"] == "cached" and statuses(m)["repo"] == "ran"
+
+
+# ---- (c) cache, (d) atomic out dir ----------------------------------------------------------------
+def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
+    root, _ = pair
+    out, first = build(tmp_path, root)
+    _, second = build(tmp_path, root)
+    assert {k: v for k, v in statuses(second).items() if v != "not needed"} == \
+        {"check": "cached", "engine": "cached", "repo": "cached"}
+    assert (out / "engine" / "target" / "model.safetensors").is_file()
+    _, third = build(tmp_path, root, instance_count=2, decoupled=False)  # repo options only
+    assert statuses(third)["engine"] == "cached" and statuses(third)["repo"] == "ran"
+    assert "count: 2" in (out / "model_repo" / "dflash_unary" / "config.pbtxt").read_text()
+    assert not (out / "model_repo" / "dflash_bls").exists() and (out / "model_repo" / "dflash").is_dir()
+    _, forced = build(tmp_path, root, "out", "--force", instance_count=2)
+    assert {statuses(forced)[s] for s in ("check", "engine", "repo")} == {"ran"}
+
+
+def test_failed_or_interrupted_stage_leaves_no_or_the_old_out_dir(pair, tmp_path, monkeypatch):
+    root, _ = pair
+    import dflash_trt.serving.repo as repo_mod
+
+    good = repo_mod.fill_model_repo
+
+    def boom(*a, **k):
+        raise RuntimeError("repo stage exploded")
+
+    monkeypatch.setattr(repo_mod, "fill_model_repo", boom)
+    cfg = write_yaml(tmp_path / "d.yaml", **base_fields(root))
+    with pytest.raises(RuntimeError, match="exploded"):
+        cli("--config", cfg, "--out", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path, "out")
+
+    monkeypatch.setattr(repo_mod, "fill_model_repo", good)
+    out, before = build(tmp_path, root)
+    snapshot = (out / "build.json").read_text()
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(repo_mod, "fill_model_repo", interrupt)
+    r = cli("--config", cfg, "--out", out, "--force")  # Ctrl-C during the repo stage
+    assert r.exit_code == 1 and "Aborted" in r.output
+    assert (out / "build.json").read_text() == snapshot and (out / "model_repo" / "dflash").is_dir()
+    assert not leftovers(tmp_path, "out")
+
+
+# ---- (e) tensorrt-llm refuses without TensorRT-LLM ---------------------------------------------
+def test_tensorrt_llm_backend_refuses_and_writes_nothing(pair, tmp_path):
+    if importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available():
+        pytest.skip("TensorRT-LLM and a GPU are present: the refusal does not apply")
+    root, _ = pair
+    cfg = write_yaml(tmp_path / "e.yaml", **base_fields(root, backend="tensorrt-llm"))
+    r = cli("--config", cfg, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and r.output.startswith("error: backend=tensorrt-llm needs ")
+    assert "Nothing was written" in r.output and "docker run --gpus all" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.yaml"]
+
+
+# ---- (f) trtllm-pytorch model.yaml and vLLM / SGLang commands ----------------------------------
+def test_trtllm_pytorch_model_yaml_and_emitted_commands(pair, tmp_path):
+    root, _ = pair
+    out, manifest = build(tmp_path, root, backend="trtllm-pytorch", emit="vllm,sglang", kv_cache="fp8")
+    conf = yaml.safe_load((out / "engine" / "model.yaml").read_text())
+    drafter = out / "engine" / "drafter"
+    assert conf["speculative_config"] == {"decoding_type": "DFlash", "speculative_model": str(drafter),
+                                          "max_draft_len": BLOCK - 1, "mask_token_id": conf["speculative_config"]["mask_token_id"],
+                                          "target_layer_ids": DrafterConfig.load(root / "drafter").target_layer_ids}
+    assert conf["backend"] == "pytorch" and conf["model"] == str(root / "target") and conf["kv_cache_config"] == {"dtype": "fp8"}
+    assert (drafter / "config.json").is_file() and (drafter / "model.safetensors").is_file()
+    assert DrafterConfig.load(drafter).block_size == BLOCK
+    served = yaml.safe_load((out / "model_repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert served == {**conf, "triton_config": {"max_batch_size": 0, "decoupled": True}}
+    vllm, sglang = (out / "serve" / "vllm.sh").read_text(), (out / "serve" / "sglang.sh").read_text()
+    assert f"vllm serve {root / 'target'}" in vllm and "--kv-cache-dtype fp8" in vllm
+    spec = json.loads(vllm.split("--speculative-config '")[1].split("'")[0])
+    assert spec == {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": BLOCK - 1}
+    assert "--speculative-algorithm DFLASH" in sglang and f"--speculative-draft-model-path {root / 'drafter'}" in sglang
+    assert f"--speculative-num-draft-tokens {BLOCK}" in sglang
+    assert statuses(manifest)["emit"] == "ran" and set(manifest["stages"]["emit"]["info"]["commands"]) == {"vllm", "sglang"}
+
+
+# ---- (g) quantized build: eval numbers in build.json -----------------------------------------------
+def test_quantized_build_reports_tau_and_agreement(pair, tmp_path):
+    from dflash_trt.build.hf_checkpoint import load_quantized_checkpoint
+    from dflash_trt.pipeline import load_drafter, load_target
+
+    root, _ = pair
+    out, manifest = build(tmp_path, root, target_quant="fp8", drafter_quant="nvfp4", sm="sm_100",
+                          calib_prompts=2, eval_prompts=3, eval_max_new_tokens=8)
+    assert statuses(manifest)["quantize"] == "ran" and statuses(manifest)["eval"] == "ran"
+    ev = manifest["eval"]
+    assert ev["prompts"] == 3 and ev["tau_bf16"] >= 1.0 and ev["tau_quantized"] >= 1.0
+    for k in ("token_agreement", "prefix_agreement", "exact_match"):
+        assert 0.0 <= ev[k] <= 1.0
+    _, hf_qc, _ = load_quantized_checkpoint(out / "quantized" / "target")
+    assert hf_qc["quantization"]["quant_algo"] == "FP8"
+    qstate, hf_qc, _ = load_quantized_checkpoint(out / "engine" / "drafter")
+    assert hf_qc["quantization"]["quant_algo"] == "NVFP4" and qstate["fc.weight"].dtype == torch.uint8
+    assert "fc.input_scale" in qstate  # calibrated activation scale
+    target, _ = load_target(str(out / "engine" / "target"), "float32", progress=False)  # dequantise on load
+    assert isinstance(load_drafter(target, str(out / "engine" / "drafter")).config, DrafterConfig)
+    # the serving loader reads the quantized engine folders too, with the same numerics as in-process
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.serving.orchestrator import load_engine_factory
+    from dflash_trt.spec.loop import generate_baseline
+
+    engine = load_engine_factory(str(out / "engine" / "target"), str(out / "engine" / "drafter"), dtype="float32")()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine.add_request("r", [5, 6, 7], params)
+    served = []
+    while engine.has_unfinished():
+        served += [t for o in engine.step() for t in o.new_token_ids]
+    assert served == generate_baseline(target, [[5, 6, 7]], params).tokens[0]
