@@ -92,8 +92,18 @@ def test_torch_build_is_served_with_in_process_greedy_text(pair, tmp_path):
     drafter = load_drafter(target, str(out / "engine" / "drafter"))
     with TritonServer(out / "model_repo", startup_timeout=300) as srv, DFlashClient(srv.grpc_url) as client:
         for prompt, n in [("hello world", 20), ("héllo wörld ✓ 漢字", 12)]:
-            toks = generate(target, drafter, [codec.encode(prompt, False)], SamplingParams(max_new_tokens=n)).tokens[0]
+            toks = generate(target, drafter, [codec.encode(prompt, True)], SamplingParams(max_new_tokens=n)).tokens[0]  # chat: true
             assert client.generate(prompt, max_tokens=n)["text"] == codec.decode(toks)
+        # the `dflash-trt client` command prints the text (unary and streamed) and the statistics
+        want = codec.decode(toks)
+        for extra in ([], ["--stream"]):
+            r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n),
+                                          *extra])
+            assert r.exit_code == 0, r.output
+            assert r.stdout.startswith(want) and "acceptance length" in r.stderr
+        r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n),
+                                      "--json"])
+        assert json.loads(r.stdout)["text"] == want
 
 
 # ---- (b) bad configs fail in check with one line naming the field ------------------------------

@@ -42,6 +42,7 @@ class BuildConfig:
     max_seq_len: int = 2048  # most tokens per sequence (prompt + output)
     triton_max_batch_size: int = 64  # Triton max_batch_size of the model entry points
     instance_count: int = 2  # Triton instances of the unary text model
+    chat: bool = True  # served prompts go through the tokenizer's chat template (when it has one); requests can override
     decoupled: bool = True  # also serve the streaming (decoupled) entry points dflash_bls and ensemble
     cpu_threads: int = 0  # torch intra-op threads of the served engine process (0 = torch's default)
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)

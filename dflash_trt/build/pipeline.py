@@ -60,7 +60,7 @@ STAGES = (
           ("backend", "dtype", "max_batch", "max_seq_len", "tp_size", "kv_cache", "plugins_dir"),
           ("check", "quantize", "convert")),
     Stage("repo", S.stage_repo, ("model_repo",),
-          ("backend", "max_batch", "max_seq_len", "dtype", "triton_max_batch_size", "instance_count", "decoupled",
+          ("backend", "max_batch", "max_seq_len", "dtype", "triton_max_batch_size", "instance_count", "chat", "decoupled",
            "cpu_threads"), ("engine",)),
     Stage("emit", S.stage_emit, ("serve",), ("emit", "tp_size", "max_batch", "max_seq_len", "kv_cache"),
           ("check", "quantize"), lambda c: bool(c.emit)),

@@ -50,10 +50,25 @@ def register(main: click.Group) -> None:
         from dflash_trt.serving.client import DFlashClient
 
         c = DFlashClient(url)
-        if stream:
+        if stream:  # text as it is accepted; --json: one object per chunk (text + statistics)
+            last = {}
             for chunk in c.stream(prompt, max_tokens=max_tokens, temperature=temperature):
-                click.echo(chunk.get("text_output", "") if isinstance(chunk, dict) else chunk, nl=False)
-            click.echo()
+                click.echo(json.dumps(chunk) if as_json else chunk["text"], nl=as_json)
+                last = chunk
+            if not as_json:
+                click.echo()
+                _stats(last)
             return
         res = c.generate(prompt, max_tokens=max_tokens, temperature=temperature)
-        click.echo(json.dumps(res) if as_json else res.get("text_output", res))
+        if as_json:
+            click.echo(json.dumps(res))
+        else:
+            click.echo(res["text"])
+            _stats(res)
+
+    def _stats(res: dict) -> None:
+        if res.get("acceptance_length") is not None:
+            click.echo(f"[{res.get('num_output_tokens')} tokens, finish {res.get('finish_reason')}, "
+                       f"acceptance length {res['acceptance_length']:.2f}, "
+                       f"accepted drafts {res.get('total_accepted_draft_tokens')}/{res.get('total_draft_tokens')}]",
+                       err=True)
