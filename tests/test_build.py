@@ -104,6 +104,13 @@ def test_torch_build_is_served_with_in_process_greedy_text(pair, tmp_path):
         r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n),
                                       "--json"])
         assert json.loads(r.stdout)["text"] == want
+        sampled = [CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", "8",
+                                             "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "7",
+                                             "--json"]) for _ in range(2)]
+        assert all(x.exit_code == 0 for x in sampled), sampled[0].output
+        assert json.loads(sampled[0].stdout)["text"] == json.loads(sampled[1].stdout)["text"]  # seeded
+        r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--top-p", "1.5"])
+        assert r.exit_code == 2 and "top_p" in r.output  # the server's field-naming error, one line
 
 
 # ---- (b) bad configs fail in check with one line naming the field ------------------------------

@@ -42,24 +42,31 @@ def register(main: click.Group) -> None:
     @click.option("--prompt", required=True)
     @click.option("--stream", is_flag=True, help="Stream tokens as they are accepted.")
     @click.option("--max-tokens", default=128, show_default=True, type=int)
-    @click.option("--temperature", default=0.0, show_default=True, type=float)
+    @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy (lossless, exact)")
+    @click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")
+    @click.option("--top-p", default=1.0, show_default=True, type=float)
+    @click.option("--seed", default=None, type=int, help="Per-request sampling seed (reproducible sampled output).")
+    @click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
+    @click.option("--chat/--no-chat", default=None, help="Override the repository's chat-template default.")
     @click.option("--json", "as_json", is_flag=True)
     @friendly_errors
-    def client(url, prompt, stream, max_tokens, temperature, as_json):
+    def client(url, prompt, stream, max_tokens, temperature, top_k, top_p, seed, stop_words, chat, as_json):
         """Send one request to a running `dflash-trt serve` over gRPC."""
         from dflash_trt.serving.client import DFlashClient
 
         c = DFlashClient(url)
+        kw = {"top_k": top_k, "top_p": top_p, "seed": seed, "stop_words": list(stop_words) or None,
+              "apply_chat_template": chat}
         if stream:  # text as it is accepted; --json: one object per chunk (text + statistics)
             last = {}
-            for chunk in c.stream(prompt, max_tokens=max_tokens, temperature=temperature):
+            for chunk in c.stream(prompt, max_tokens=max_tokens, temperature=temperature, **kw):
                 click.echo(json.dumps(chunk) if as_json else chunk["text"], nl=as_json)
                 last = chunk
             if not as_json:
                 click.echo()
                 _stats(last)
             return
-        res = c.generate(prompt, max_tokens=max_tokens, temperature=temperature)
+        res = c.generate(prompt, max_tokens=max_tokens, temperature=temperature, **kw)
         if as_json:
             click.echo(json.dumps(res))
         else:
