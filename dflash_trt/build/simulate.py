@@ -67,14 +67,4 @@ def load_quantized_drafter(folder: str | Path, target=None, dtype: torch.dtype |
 
     folder = Path(folder)
     state, cfg = _dequantized(folder, torch.float32)
-    model = DFlashDrafter(DrafterConfig.from_json_dict(cfg))
-    ours = model.state_dict()
-    missing = sorted(set(ours) - set(state))
-    if missing:
-        raise CheckpointError(f"drafter {folder}: missing tensors {missing[:4]}")
-    model.load_state_dict({k: state[k] for k in ours}, strict=True)
-    if dtype is not None:
-        model.to(dtype)
-    if target is not None:
-        model.bind(target)
-    return model.eval()
+    return DFlashDrafter.from_state_dict(DrafterConfig.from_json_dict(cfg), state, str(folder), target, dtype)

@@ -208,6 +208,7 @@ def stage_repo(ctx: Context) -> dict:
     """Fill the model_repo templates with this build's engine paths (pointing into the final out dir)."""
     from dflash_trt.build import backends
     from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+    from dflash_trt.serving.text import read_chat_template
 
     cfg = ctx.cfg
     if cfg.backend == "trtllm-pytorch":
@@ -217,7 +218,7 @@ def stage_repo(ctx: Context) -> dict:
                             engine_backend=cfg.backend, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len,
                             dtype=cfg.dtype, triton_max_batch_size=cfg.triton_max_batch_size,
                             unary_instance_count=cfg.instance_count, cpu_threads=cfg.cpu_threads,
-                            apply_chat_template=cfg.chat and _has_chat_template(Path(ctx.dirs["tokenizer"])))
+                            apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))))
     repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)
     if not cfg.decoupled:
         for name in STREAMING_MODELS:
@@ -228,17 +229,6 @@ def stage_repo(ctx: Context) -> dict:
                  "are recorded for a TensorRT-LLM-capable serving build")
     ctx.echo(f"repo: {len(models)} models ({', '.join(models)})")
     return {"models": models}
-
-
-def _has_chat_template(tok_dir: Path) -> bool:
-    """Whether a Hugging Face tokenizer folder carries a chat template (instruct models do)."""
-    cfg = tok_dir / "tokenizer_config.json"
-    if (tok_dir / "chat_template.jinja").is_file():
-        return True
-    try:
-        return bool(json.loads(cfg.read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
 
 
 def stage_emit(ctx: Context) -> dict:

@@ -276,20 +276,27 @@ class DFlashDrafter(nn.Module):
             state = load_file(str(wfile))
         except Exception as e:  # safetensors raises its own error types for truncated files
             raise CheckpointError(f"drafter {wfile}: unreadable or corrupt ({e})") from None
+        return cls.from_state_dict(cfg, state, str(wfile), target, dtype)
+
+    @classmethod
+    def from_state_dict(cls, cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str, target=None,
+                        dtype: torch.dtype | None = None) -> "DFlashDrafter":
+        """A drafter of config `cfg` with the weights of `state` (from `source`, named in errors),
+        after checking every tensor is there with the shape the config implies."""
         model = cls(cfg)
         ours = model.state_dict()
         missing = sorted(set(ours) - set(state))
         if missing:
-            raise CheckpointError(f"drafter {wfile}: missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
+            raise CheckpointError(f"drafter {source}: missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
         for k, t in ours.items():
             if tuple(state[k].shape) != tuple(t.shape):
-                raise CheckpointError(f"drafter {wfile}: tensor {k} has shape {tuple(state[k].shape)}, "
+                raise CheckpointError(f"drafter {source}: tensor {k} has shape {tuple(state[k].shape)}, "
                                       f"config.json implies {tuple(t.shape)}")
         if model.draft_vocab is not None:
             dv = state["draft_vocab"]
             if dv.dtype != torch.int64 or bool((dv < 0).any() | (dv >= cfg.vocab_size).any()) or \
                     (len(dv) > 1 and not bool((dv[1:] > dv[:-1]).all())):
-                raise CheckpointError(f"drafter {wfile}: draft_vocab must hold sorted, distinct int64 token ids "
+                raise CheckpointError(f"drafter {source}: draft_vocab must hold sorted, distinct int64 token ids "
                                       f"in 0..{cfg.vocab_size - 1}")
         model.load_state_dict({k: state[k] for k in ours}, strict=True)
         if dtype is not None:

@@ -98,6 +98,25 @@ def _token_text(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+def read_chat_template(path: Path, tokenizer_config: dict | None = None) -> str | None:
+    """The chat template a Hugging Face tokenizer folder carries (tokenizer_config.json's
+    `chat_template`, its "default" entry when named, else chat_template.jinja), or None."""
+    import json
+
+    if tokenizer_config is None:
+        cfg_file = path / "tokenizer_config.json"
+        try:
+            tokenizer_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        except ValueError:
+            tokenizer_config = {}
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    return template
+
+
 class LightTokenizer:
     """The parts of a Hugging Face fast tokenizer serving needs, from tokenizer.json and
     tokenizer_config.json alone: encode (special tokens per the saved post-processor, plus BOS/EOS
@@ -112,12 +131,7 @@ class LightTokenizer:
         self.backend = Tokenizer.from_file(str(path / "tokenizer.json"))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            template = {t.get("name"): t.get("template") for t in template}.get("default")
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        self.chat_template = template
+        self.chat_template = read_chat_template(path, cfg)
         self.special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.eos_token_id = self.backend.token_to_id(self.special["eos_token"]) if self.special["eos_token"] else None
         bos = self.special["bos_token"]
