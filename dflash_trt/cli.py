@@ -58,12 +58,18 @@ def models_list():
     for m in list_models():
         state = "cached  " if m.get("cached") else "not yet "
         click.echo(f"{m['name']:32s} {state} {m.get('path') or ''}")
+    from dflash_trt.models.drafters import bundled_drafters
+
+    for b in bundled_drafters().values():
+        tau = b.recipe.get("measured", {}).get("tau")
+        click.echo(f"{b.name:32s} drafter  for {b.target}, block {b.block_size}"
+                   + (f", tau {tau:.2f} on its eval prompts" if tau else ""))
 
 
 # ---- generate ------------------------------------------------------------------------------
 @main.command()
 @click.option("--target", required=True, help="Target model: a known name (see `models list`) or a HF folder.")
-@click.option("--drafter", "drafter_dir", default=None, help="DFlash drafter checkpoint folder (z-lab layout).")
+@click.option("--drafter", "drafter_dir", default=None, help="DFlash drafter checkpoint folder (z-lab layout) or a bundled drafter name (`dflash-trt models list`).")
 @click.option("--random-drafter", is_flag=True, help="Use an untrained drafter (pipeline check; no speedup).")
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the tokenizer's chat template.")
@@ -129,13 +135,14 @@ def print_stats(res, block_size: int, temperature: float) -> None:
 @click.option("--target", default="smollm2-135m-instruct", show_default=True, help="Model name or HF folder.")
 @click.option("--prompt", default=None, help="Prompt to answer (default: a small coding task).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--retrain", is_flag=True, help="Ignore the bundled drafter; train one here with the quickstart recipe.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @friendly_errors
-def quickstart(target, prompt, max_new_tokens, as_json):
+def quickstart(target, prompt, max_new_tokens, retrain, as_json):
     """Fetch a real model, get (train once, then cache) a drafter, show DFlash's speedup."""
     from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
 
-    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens)
+    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens, retrain=retrain)
     if prompt:
         cfg.prompt = prompt
     res = run_quickstart(cfg)

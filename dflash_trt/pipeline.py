@@ -62,6 +62,10 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
         raise ConfigError(f"--block-size {block_size}: must be >= 2 (the last token plus at least one draft)")
     from dflash_trt.build.simulate import is_quantized_dir, load_quantized_drafter
 
+    if drafter_dir:
+        from dflash_trt.models.drafters import resolve_drafter
+
+        drafter_dir = resolve_drafter(drafter_dir)
     if drafter_dir and is_quantized_dir(drafter_dir):  # FP8/NVFP4 drafter: dequantise on load
         drafter = load_quantized_drafter(drafter_dir, target=target)
     elif drafter_dir:

@@ -30,6 +30,7 @@ class QuickstartConfig:
     epochs: int = 2
     max_new_tokens: int = 128
     repeats: int = 2  # interleaved DFlash/baseline runs for the timing
+    retrain: bool = False  # ignore the bundled drafter and run the training recipe here
 
 
 def quickstart_drafter_dir(cfg: QuickstartConfig) -> Path:
@@ -39,22 +40,28 @@ def quickstart_drafter_dir(cfg: QuickstartConfig) -> Path:
     return models_home() / "drafters" / f"{name}-b{cfg.block_size}-l{cfg.num_layers}-quickstart"
 
 
-def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> Path:
-    """The cached quickstart drafter, trained first if missing (resumable at every stage)."""
+def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]:
+    """-> (drafter folder, where it came from): the drafter bundled for this target, else the one
+    trained by an earlier quickstart, else one trained now (resumable at every stage).
+    cfg.retrain skips the bundled one, to reproduce the recipe from scratch on this machine."""
+    from dflash_trt.models.drafters import bundled_drafter_for
     from dflash_trt.train.data import generate_data, stdlib_prompts
     from dflash_trt.train.trainer import TrainConfig, train
 
+    bundled = None if cfg.retrain else bundled_drafter_for(cfg.target, cfg.block_size)
+    if bundled is not None:
+        return bundled.path, f"bundled drafter {bundled.name} (trained here by dflash-trt train; recipe in {bundled.path / 'recipe.json'})"
     work = quickstart_drafter_dir(cfg)
     final = work / "drafter"
     if (final / "model.safetensors").is_file():
-        return final
-    click.secho(f"No cached drafter for {cfg.target}: training one (a few minutes on 2 CPU cores; a drafter this small and this briefly trained accepts little, see README; cached in "
-                f"{work}).", fg="yellow", err=True)
+        return final, f"drafter trained by an earlier quickstart ({final})"
+    click.secho(f"No bundled drafter for {cfg.target}: training one (a few minutes on 2 CPU cores; a drafter this small "
+                f"and this briefly trained accepts little, see README; cached in {work}).", fg="yellow", err=True)
     generate_data(target, tokenizer, stdlib_prompts(cfg.num_prompts), work / "data",
                   max_new_tokens=cfg.response_tokens, batch_size=16)
     tc = TrainConfig(data=str(work / "data"), out=str(work), num_layers=cfg.num_layers, block_size=cfg.block_size,
                      epochs=cfg.epochs, batch_size=4, anchors_per_seq=8, lr=1e-3, features="offline")
-    return train(tc, target=target)
+    return train(tc, target=target), f"drafter trained just now ({final})"
 
 
 def run_quickstart(cfg: QuickstartConfig) -> dict:
@@ -63,7 +70,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
 
     target, path = load_target(cfg.target, "auto")
     tok = load_tokenizer(path)
-    drafter = load_drafter(target, str(obtain_drafter(cfg, target, tok)))
+    drafter_dir, source = obtain_drafter(cfg, target, tok)
+    drafter = load_drafter(target, str(drafter_dir))
     ids = encode(tok, cfg.prompt, chat=True)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids(tok))
     generate(target, drafter, [ids], SamplingParams(max_new_tokens=4))  # warm-up
@@ -77,7 +85,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
             "tau": spec.tau, "block_size": drafter.block_size, "dflash_tok_s": spec.decode_tokens_per_s,
             "baseline_tok_s": base.decode_tokens_per_s, "dtype": str(target.dtype).replace("torch.", ""),
             "speedup": spec.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0,
-            "per_position_acceptance": spec.per_position_acceptance}
+            "per_position_acceptance": spec.per_position_acceptance, "drafter": source}
 
 
 def print_quickstart(res: dict, cfg: QuickstartConfig) -> None:
@@ -86,6 +94,7 @@ def print_quickstart(res: dict, cfg: QuickstartConfig) -> None:
 
     con = Console()
     con.rule(f"[bold]{cfg.target}[/bold] + DFlash drafter")
+    con.print(f"[bold]Drafter:[/bold] {res['drafter']}")
     con.print(f"[bold]Prompt:[/bold] {cfg.prompt}\n")
     con.print(res["answer"], markup=False, highlight=False)
     t = Table(title=f"DFlash vs autoregressive decoding (same engine, {res['dtype']}, greedy)")

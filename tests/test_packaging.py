@@ -26,6 +26,9 @@ def test_wheel_contains_model_repo_templates(tmp_path):
     assert len(templates) >= 10
     missing = [t for t in templates if f"dflash_trt/serving/model_repo/{t}" not in names]
     assert not missing, f"templates missing from the wheel: {missing}"
+    assets = ROOT / "dflash_trt" / "assets" / "drafters"  # the quickstart's bundled drafter(s)
+    shipped = sorted(p.relative_to(ROOT).as_posix() for p in assets.rglob("*") if p.is_file())
+    assert not [a for a in shipped if a not in names], "bundled drafter files missing from the wheel"
 
 
 def test_default_template_dir_is_the_packaged_one():

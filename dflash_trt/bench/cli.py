@@ -28,7 +28,7 @@ def _names(value: str) -> list[str]:
 
 @click.command("bench")
 @click.option("--target", required=True, help="Target model: a known name (`models list`) or a HF folder.")
-@click.option("--drafter", "drafter", default=None, help="DFlash drafter checkpoint folder.")
+@click.option("--drafter", "drafter", default=None, help="DFlash drafter checkpoint folder or bundled drafter name.")
 @click.option("--random-drafter", is_flag=True, help="Untrained drafter: checks the pipeline (no speedup).")
 @click.option("--assistant", default=None,
               help="Draft model for hf-assisted (name or HF folder), e.g. qwen2.5-coder-0.5b-instruct.")

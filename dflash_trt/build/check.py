@@ -32,7 +32,10 @@ def resolve_inputs(cfg: BuildConfig, progress: bool = True) -> dict[str, Path]:
     except Exception as e:  # unknown registry name, fetch failure, folder without config.json
         msg = str(e)
         raise ConfigError(f"target={cfg.target}: {msg[msg.find(':') + 2:] if msg.startswith('--target') else msg}") from None
-    drafter = Path(cfg.drafter).expanduser()
+    from dflash_trt.models.drafters import bundled_drafters
+
+    bundled = bundled_drafters()
+    drafter = bundled[cfg.drafter].path if cfg.drafter in bundled else Path(cfg.drafter).expanduser()
     if not (drafter / "config.json").is_file():
         raise ConfigError(f"drafter={cfg.drafter}: no config.json there; give a DFlash drafter folder "
                           f"(z-lab layout, e.g. from `dflash-trt train`)")

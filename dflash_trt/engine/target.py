@@ -36,11 +36,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [R, H, n, D] against k/v [R, H_kv, S, D] where visible [R, n, S] is True; -> [R, H, n, D]."""
-    if q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+    # enable_gqa instead of repeat_interleave: materialising the repeated K/V was ~70% of a CPU decode step
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclass

@@ -13,7 +13,7 @@ def register(main: click.Group) -> None:
     @main.command()
     @click.option("--model-repo", default=None, help="A filled model repository (from `dflash-trt build`).")
     @click.option("--target", default=None, help="Or: target name/folder, to fill a repository on the fly.")
-    @click.option("--drafter", "drafter_dir", default=None, help="Drafter folder (with --target).")
+    @click.option("--drafter", "drafter_dir", default=None, help="Drafter folder or bundled drafter name (with --target).")
     @click.option("--out", default=None, help="Where to write the on-the-fly repository (default: a temp dir).")
     @click.option("--grpc-port", default=8001, show_default=True, type=int)
     @click.option("--http-port", default=8000, show_default=True, type=int)
@@ -30,7 +30,10 @@ def register(main: click.Group) -> None:
         if model_repo is None:
             if not (target and drafter_dir):
                 raise DFlashError("give --model-repo DIR, or --target and --drafter to build one on the fly")
+            from dflash_trt.models.drafters import resolve_drafter
             from dflash_trt.pipeline import resolve_target_dir
+
+            drafter_dir = resolve_drafter(drafter_dir)
 
             out = out or tempfile.mkdtemp(prefix="dflash-repo-")
             model_repo = fill_model_repo(default_template_dir(), out,

@@ -31,9 +31,19 @@ STDLIB_MODULES = ("string", "textwrap", "json", "itertools", "functools", "colle
 HELD_OUT = ("humaneval", "writingbench")  # benchmark sets: never training data (see generate_data)
 
 
+def _first_paragraph(obj) -> str | None:
+    doc = inspect.getdoc(obj)
+    if not doc or len(doc) < 40:
+        return None
+    return doc.strip().split("\n\n")[0].replace("\n", " ")
+
+
 def stdlib_prompts(limit: int | None = None) -> list[str]:
-    """Code prompts built from standard-library function docstrings (deterministic order)."""
-    out: list[str] = []
+    """Code prompts built from standard-library docstrings, in a fixed order that only ever grows at
+    the end (so resumed data folders stay aligned with their shards): module-level functions and
+    classes, then public methods of those classes, then a second phrasing of the functions."""
+    items: list[tuple[str, str, str]] = []  # (kind, qualified name, first docstring paragraph)
+    methods: list[tuple[str, str, str]] = []
     for name in STDLIB_MODULES:
         try:
             mod = importlib.import_module(name)
@@ -42,16 +52,22 @@ def stdlib_prompts(limit: int | None = None) -> list[str]:
         for fname, fn in sorted(vars(mod).items()):
             if fname.startswith("_") or not (inspect.isfunction(fn) or inspect.isclass(fn)):
                 continue
-            doc = inspect.getdoc(fn)
-            if not doc or len(doc) < 40:
+            first = _first_paragraph(fn)
+            if first is None:
                 continue
-            first = doc.strip().split("\n\n")[0].replace("\n", " ")
-            kind = "class" if inspect.isclass(fn) else "function"
-            out.append(f"Write a Python {kind} `{fname}` that does the following: {first}\n"
-                       f"Explain briefly, then give the code.")
-            if limit and len(out) >= limit:
-                return out
-    return out
+            items.append(("class" if inspect.isclass(fn) else "function", fname, first))
+            if inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]:
+                for mname, m in sorted(vars(fn).items()):
+                    mdoc = None if mname.startswith("_") or not inspect.isfunction(m) else _first_paragraph(m)
+                    if mdoc:
+                        methods.append(("method", f"{fname}.{mname}", mdoc))
+    out = [f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
+           for kind, qn, first in items]
+    out += [f"Write the Python method `{qn}` that does the following: {first}\nGive the code with a short docstring."
+            for _, qn, first in methods]
+    out += [f"Implement `{qn}` in Python from scratch, with type hints and a docstring: {first}"
+            for kind, qn, first in items if kind == "function"]
+    return out[:limit] if limit else out
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[str]:

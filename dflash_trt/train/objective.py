@@ -106,10 +106,8 @@ def drafter_train_forward(drafter: DFlashDrafter, taps: torch.Tensor, blocks: Bl
         k_blk, v_blk = attn.kv(h, bcos, bsin)
         q = attn.q(h, bcos, bsin)
         k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
-        rep = attn.num_heads // attn.num_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale,
+                                           enable_gqa=attn.num_heads != attn.num_kv_heads)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(N, J * B, -1))
         x = x + layer.ffn(layer.post_attention_layernorm(x))
     return drafter.norm(x).view(N, J, B, -1)
