@@ -159,3 +159,40 @@ def test_draft_vocab_training_saves_vocab(tmp_path):
     seqs = read_sequences(data)
     assert d.config.draft_vocab_size == len(d.draft_vocab) <= 20
     assert set(d.draft_vocab.tolist()) <= {x for s in seqs for x in s["input_ids"][s["prompt_len"]:]}
+
+
+def test_offline_features_recomputed_when_data_changes(tmp_path):
+    from dflash_trt.train.trainer import FeatureStore, target_taps
+
+    t = tiny_target("llama")
+    a, b = [[1, 2, 3, 4, 5], [6, 7, 8]], [[9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+    taps, folder = [0, 1], tmp_path / "features"
+    FeatureStore.build(t, a, taps, folder, batch_size=2)
+    first = json.loads((folder / "complete").read_text())["fingerprint"]
+    FeatureStore.build(t, b, taps, folder, batch_size=2)  # same folder, other data: must not be reused
+    assert json.loads((folder / "complete").read_text())["fingerprint"] != first
+    store = FeatureStore(folder, [len(s) for s in b], len(taps) * t.config.hidden_size)
+    ref = target_taps(t, b, taps).to(torch.bfloat16)
+    got = store.get([1, 2], 5)
+    # bf16 storage, and the build batched the rows differently from this reference
+    assert torch.allclose(got[0].float(), ref[1, :5].float(), atol=1e-2)
+    assert torch.allclose(got[1, :2].float(), ref[2, :2].float(), atol=1e-2)
+
+
+def test_generate_data_extends_a_short_last_shard(tmp_path):
+    from conftest import tiny_tokenizer
+    from dflash_trt.train.data import generate_data
+
+    tok = tiny_tokenizer()
+    t = tiny_target("qwen3", vocab_size=len(tok))
+    prompts = ["def add(a, b):", "The quick brown fox", "return a + b", "lazy dog", "def sub(a, b):",
+               "jumps over", "print(x)"]
+    kw = dict(max_new_tokens=6, batch_size=2, shard_size=4, progress=False)
+    generate_data(t, tok, prompts[:5], tmp_path / "grown", **kw)  # shard 1 holds one prompt
+    first = (tmp_path / "grown" / "data-00001.jsonl").read_text()
+    generate_data(t, tok, prompts, tmp_path / "grown", **kw)  # the prompt list grew at the end
+    generate_data(t, tok, prompts, tmp_path / "fresh", **kw)
+    grown = (tmp_path / "grown" / "data-00001.jsonl").read_text()
+    assert grown.startswith(first) and len(grown.splitlines()) == 3
+    assert grown == (tmp_path / "fresh" / "data-00001.jsonl").read_text()
+    assert len(read_sequences(tmp_path / "grown")) == len(prompts)

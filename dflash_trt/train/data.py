@@ -41,9 +41,13 @@ def _first_paragraph(obj) -> str | None:
 def stdlib_prompts(limit: int | None = None) -> list[str]:
     """Code prompts built from standard-library docstrings, in a fixed order that only ever grows at
     the end (so resumed data folders stay aligned with their shards): module-level functions and
-    classes, then public methods of those classes, then a second phrasing of the functions."""
+    classes, then public methods of those classes, then a second phrasing of the functions, then
+    "complete this stub" prompts (signature + docstring, the shape of code-completion requests) for
+    pure-Python functions and methods."""
     items: list[tuple[str, str, str]] = []  # (kind, qualified name, first docstring paragraph)
     methods: list[tuple[str, str, str]] = []
+    stubs: list[str] = []  # "def name(signature):" + docstring, for functions then methods
+    method_stubs: list[str] = []
     for name in STDLIB_MODULES:
         try:
             mod = importlib.import_module(name)
@@ -56,18 +60,35 @@ def stdlib_prompts(limit: int | None = None) -> list[str]:
             if first is None:
                 continue
             items.append(("class" if inspect.isclass(fn) else "function", fname, first))
+            if inspect.isfunction(fn):
+                stubs += _stub(fname, fn, first)
             if inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]:
                 for mname, m in sorted(vars(fn).items()):
                     mdoc = None if mname.startswith("_") or not inspect.isfunction(m) else _first_paragraph(m)
                     if mdoc:
                         methods.append(("method", f"{fname}.{mname}", mdoc))
+                        method_stubs += _stub(mname, m, mdoc, owner=fname)
     out = [f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
            for kind, qn, first in items]
     out += [f"Write the Python method `{qn}` that does the following: {first}\nGive the code with a short docstring."
             for _, qn, first in methods]
     out += [f"Implement `{qn}` in Python from scratch, with type hints and a docstring: {first}"
             for kind, qn, first in items if kind == "function"]
+    out += [f"Finish this Python code; answer with the complete code in a single code block.\n\n```python\n{stub}```"
+            for stub in stubs + method_stubs]
     return out[:limit] if limit else out
+
+
+def _stub(name: str, fn, doc: str, owner: str | None = None) -> list[str]:
+    """`def name(signature):` plus its docstring (a class line above methods); [] without a signature."""
+    try:
+        sig = str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return []
+    body = f'def {name}{sig}:\n    """{doc}"""\n'
+    if owner:
+        body = f"class {owner}:\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    return [body]
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[str]:
@@ -128,7 +149,8 @@ def generate_data(target, tokenizer, prompts: list[str], out_dir: str | Path, ma
                   batch_size: int = 8, chat: bool = True, shard_size: int = 256, temperature: float = 0.0,
                   seed: int = 0, progress: bool = True) -> Path:
     """The target answers every prompt; sequences go to out_dir/data-NNNNN.jsonl, shard_size per shard.
-    Resumable: shards already written (atomically) are kept and their prompts skipped."""
+    Resumable: shards already written (atomically) are kept and their prompts skipped; a shorter
+    last shard (the prompt list grew at the end since) is extended with the new prompts only."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.pipeline import encode, stop_ids
     from dflash_trt.spec.loop import generate_baseline
@@ -138,14 +160,15 @@ def generate_data(target, tokenizer, prompts: list[str], out_dir: str | Path, ma
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                             stop_token_ids=stop_ids(tokenizer))
     n_shards = (len(prompts) + shard_size - 1) // shard_size
-    finished = {i for i in range(n_shards) if (out / f"data-{i:05d}.jsonl").is_file()}
     bar = tqdm(total=len(prompts), desc="regenerating responses", disable=not progress)
     for i in range(n_shards):
         chunk = prompts[i * shard_size: (i + 1) * shard_size]
-        if i in finished:
-            bar.update(len(chunk))
+        shard = out / f"data-{i:05d}.jsonl"
+        lines = [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
+        bar.update(min(len(lines), len(chunk)))
+        if len(lines) >= len(chunk):
             continue
-        lines = []
+        chunk = chunk[len(lines):]  # one line per prompt, in prompt order
         for start in range(0, len(chunk), batch_size):
             enc = [encode(tokenizer, p, chat) for p in chunk[start: start + batch_size]]
             res = generate_baseline(target, enc, params)

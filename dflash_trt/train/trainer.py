@@ -13,6 +13,8 @@ Output folder:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -86,9 +88,26 @@ class FeatureStore:
         self.mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(int(self.offsets[-1]), width))
 
     @staticmethod
+    def fingerprint(seqs: list[list[int]], tap_layers: list[int]) -> str:
+        """What the features were computed from: reusing them for other data or taps would silently
+        train on the wrong hidden states (the memmap only knows its row count)."""
+        h = hashlib.sha256(json.dumps(list(tap_layers)).encode())
+        for s in seqs:
+            h.update(np.asarray(s, dtype=np.int64).tobytes() + b"|")
+        return h.hexdigest()
+
+    @staticmethod
     def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
-        if (folder / "complete").is_file():
-            return
+        marker = folder / "complete"
+        fp = FeatureStore.fingerprint(seqs, tap_layers)
+        if marker.is_file():
+            try:
+                if json.loads(marker.read_text()).get("fingerprint") == fp:
+                    return
+            except (json.JSONDecodeError, AttributeError):
+                pass  # an older marker without a fingerprint: recompute
+            print(f"{folder}: features were computed from other data or target layers; recomputing")
+            marker.unlink()
         folder.mkdir(parents=True, exist_ok=True)
         total = sum(map(len, seqs))
         width = len(tap_layers) * target.config.hidden_size
@@ -101,7 +120,7 @@ class FeatureStore:
                 mm[off: off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
                 off += len(s)
         mm.flush()
-        (folder / "complete").write_text(str(total))
+        marker.write_text(json.dumps({"rows": total, "fingerprint": fp}))
 
     def get(self, idx: list[int], S: int) -> torch.Tensor:
         out = torch.zeros(len(idx), S, self.width, dtype=torch.bfloat16)
