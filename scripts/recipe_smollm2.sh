@@ -11,7 +11,7 @@ mkdir -p "$RUN"
 
 # 1. the target regenerates answers (greedy, chat template) to every built-in standard-library
 #    prompt (~2100: functions, classes, methods, completion stubs); HumanEval and WritingBench stay
-#    held out. Measured here (2 cores): data 56 min, features 18 min, training 26 min, eval 4 min
+#    held out. Measured here (2 cores): data 55 min, features 17 min, training 26 min, eval 4 min
 $DFT data generate --target "$TARGET" --prompts stdlib --max-new-tokens 192 --batch-size 32 --out "$RUN/data"
 
 # 2. train: 1 layer, B=8 (gamma 4), offline features, a 4K-token draft vocabulary (covers every
