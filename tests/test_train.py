@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,50 @@ def test_kill_and_resume_reaches_same_weights(tmp_path):
     state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 12  # 24 sequences / 4 per batch * 2 epochs
     assert not any(p.name.startswith(".ckpt") for p in (tmp_path / "b").iterdir())  # no half-written checkpoint
+
+
+def test_resume_refuses_another_shape_and_flags_changed_data(tmp_path, capsys):
+    t = tiny_target("qwen3")
+    prompts, outs = _corpus(t, 8, 0, 256, max_new=20)
+    data = _write(tmp_path / "data", prompts, outs)
+    base = dict(data=str(data), batch_size=4, epochs=2, bf16=False, anchors_per_seq=4, save_every=1,
+                out=str(tmp_path / "o"))
+    train(TrainConfig(block_size=4, max_steps=1, **base), target=t, progress=False)
+    with pytest.raises(ConfigError, match="block_size: checkpoint 4 vs now 6.*new --out"):
+        train(TrainConfig(block_size=6, **base), target=t, progress=False)
+    capsys.readouterr()
+    _write(tmp_path / "data", prompts[:6], outs[:6])  # the data changed under the checkpoint
+    train(TrainConfig(block_size=4, **base), target=t, progress=False)
+    assert "data (or seed / batch size) changed since this checkpoint" in capsys.readouterr().out
+    state = torch.load(tmp_path / "o" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4  # continued on the 6-sequence data: 2 batches x 2 epochs
+
+
+def test_validation_metrics_logged_and_improving(tmp_path):
+    from dflash_trt.train.validate import fixed_anchors, mark_validation
+
+    assert fixed_anchors(20, 5, 4, 3) == [5, 11, 16] and fixed_anchors(20, 5, 4, 100) == list(range(5, 17))
+    assert fixed_anchors(8, 5, 4, 3) == []  # no room for a block
+    V = 64
+    t = tiny_target("qwen3", vocab_size=V)
+    with torch.no_grad():
+        for layer in t.layers:
+            layer.self_attn.o_proj.weight.mul_(0.3)  # learnable in few steps (see the threefold test)
+    prompts, outs = _corpus(t, 136, 0, V, max_new=40)
+    data = _write(tmp_path / "data", prompts[:128], outs[:128])
+    val = _write(tmp_path / "val", prompts[128:], outs[128:])
+    mark_validation(val, "test")
+    cfg = TrainConfig(data=str(data), val_data=str(val), out=str(tmp_path / "o"), num_layers=1, block_size=4,
+                      batch_size=8, epochs=4, lr=3e-3, anchors_per_seq=8, save_every=16, log_every=4)
+    train(cfg, target=t, progress=False)
+    rows = [json.loads(ln) for ln in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in vals] == [16, 32, 48, 64] and all(len(r["val_acc"]) == 3 for r in vals)
+    assert len([r for r in rows if "loss" in r]) == 16
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"] and vals[-1]["val_tau_est"] > vals[0]["val_tau_est"]
+    assert vals[-1]["val_blocks"] == 8 * 32  # 8 sequences, 37 admissible anchors each, 32 used
+    with pytest.raises(ConfigError, match="validation set"):
+        train(TrainConfig(data=str(val), out=str(tmp_path / "o2")), target=t, progress=False)
 
 
 def test_offline_features_equal_online(tmp_path):
@@ -177,6 +222,31 @@ def test_offline_features_recomputed_when_data_changes(tmp_path):
     # bf16 storage, and the build batched the rows differently from this reference
     assert torch.allclose(got[0].float(), ref[1, :5].float(), atol=1e-2)
     assert torch.allclose(got[1, :2].float(), ref[2, :2].float(), atol=1e-2)
+
+
+def test_offline_features_extended_when_data_grows(tmp_path, capsys):
+    from dflash_trt.train.trainer import FeatureStore
+
+    t = tiny_target("llama")
+    a = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    grown = a + [[9, 10, 11], [12, 13, 14, 15, 16]]
+    taps = [0, 1]
+    width = len(taps) * t.config.hidden_size
+    FeatureStore.build(t, a, taps, tmp_path / "f", batch_size=2)
+    before = np.fromfile(tmp_path / "f" / "features.bin", dtype=np.uint16).copy()
+    FeatureStore.build(t, grown, taps, tmp_path / "f", batch_size=2)
+    assert "reusing the features of 2 sequences, computing 2 new ones" in capsys.readouterr().out
+    FeatureStore.build(t, grown, taps, tmp_path / "fresh", batch_size=2)
+    ext = np.fromfile(tmp_path / "f" / "features.bin", dtype=np.uint16)
+    assert np.array_equal(ext[: len(before)], before)  # the old rows were kept, not recomputed
+    assert ext.size == sum(map(len, grown)) * width
+    got = FeatureStore(tmp_path / "f", [len(s) for s in grown], width).get([2, 3], 5).float()
+    ref = FeatureStore(tmp_path / "fresh", [len(s) for s in grown], width).get([2, 3], 5).float()
+    assert torch.allclose(got, ref, atol=1e-2)  # new rows equal a build from scratch (bf16)
+    marker = json.loads((tmp_path / "f" / "complete").read_text())
+    assert marker == json.loads((tmp_path / "fresh" / "complete").read_text()) and marker["num_seqs"] == 4
+    FeatureStore.build(t, [[1, 2, 3]] + grown[1:], taps, tmp_path / "f", batch_size=2)  # not a prefix: recompute
+    assert "recomputing" in capsys.readouterr().out
 
 
 def test_generate_data_extends_a_short_last_shard(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
+from pathlib import Path
 
 import click
 
@@ -44,24 +45,35 @@ def register(main: click.Group) -> None:
 
     @data.command("generate")
     @click.option("--target", required=True, help="Target model name or folder.")
-    @click.option("--prompts", "source", required=True, help="stdlib | FILE.txt | FILE.jsonl")
+    @click.option("--prompts", "source", required=True,
+                  help="stdlib | FILE.txt | FILE.jsonl; with --validation also humaneval | writingbench")
     @click.option("--out", required=True, help="Output folder of data-*.jsonl shards.")
+    @click.option("--validation", is_flag=True, default=False,
+                  help="A held-out validation set for `train --val-data` (marked: never accepted as training data).")
     @click.option("--limit", type=int, default=None, help="Use at most this many prompts.")
     @click.option("--max-new-tokens", type=int, default=256, show_default=True)
     @click.option("--batch-size", type=int, default=8, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)
     @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
     @friendly_errors
-    def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype):
+    def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, validation):
         from dflash_trt.pipeline import load_target, load_tokenizer
         from dflash_trt.errors import DFlashError
         from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts
 
-        if source in HELD_OUT:
+        from dflash_trt.train.validate import is_validation, mark_validation
+
+        if source in HELD_OUT and not validation:
             raise DFlashError(f"--prompts {source}: benchmark prompts are held out from training (they measure "
-                              f"the drafter); use stdlib or your own prompt file")
+                              f"the drafter); use stdlib or your own prompt file, or add --validation to make "
+                              f"a validation set for `train --val-data`")
+        if not validation and is_validation(out):
+            raise DFlashError(f"--out {out}: holds a validation set; add --validation to extend it, or pick another folder")
         prompts = load_prompts(source, limit)
         tgt, path = load_target(target, dtype)
+        if validation:  # marked before any shard exists, so an interrupted run is never mistaken for training data
+            Path(out).mkdir(parents=True, exist_ok=True)
+            mark_validation(out, source)
         click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
 
     @main.command("train")

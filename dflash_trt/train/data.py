@@ -27,6 +27,20 @@ STDLIB_MODULES = ("string", "textwrap", "json", "itertools", "functools", "colle
                   "configparser", "argparse", "logging", "inspect", "ast", "tokenize", "dataclasses", "enum",
                   "typing", "queue", "threading", "subprocess", "tempfile", "locale", "gettext", "pprint")
 
+# a second, wider set (prompts appended after the first set's, so older data folders stay aligned);
+# modules missing from this Python are skipped
+MORE_STDLIB_MODULES = (
+    "io", "struct", "decimal", "numbers", "cmath", "codecs", "unicodedata", "secrets", "hmac", "binascii", "zlib",
+    "bz2", "lzma", "shlex", "sched", "contextlib", "abc", "weakref", "types", "graphlib", "reprlib", "keyword",
+    "linecache", "traceback", "warnings", "timeit", "doctest", "unittest", "sqlite3", "xml.etree.ElementTree",
+    "xml.dom.minidom", "html.parser", "http.client", "http.cookies", "http.server", "urllib.request",
+    "email.message", "email.header", "mimetypes", "wave", "colorsys", "plistlib", "netrc", "filecmp", "stat",
+    "selectors", "socket", "asyncio", "concurrent.futures", "multiprocessing.pool", "platform", "sysconfig",
+    "importlib.metadata", "pkgutil", "zipimport", "compileall", "dis", "pickle", "shelve", "dbm", "array",
+    "getopt", "optparse", "cmd", "code", "quopri", "smtplib", "imaplib", "ftplib", "poplib", "xmlrpc.client",
+    "json.decoder", "tomllib", "zoneinfo", "wsgiref.util", "wsgiref.headers", "urllib.robotparser", "posixpath",
+    "fileinput", "pydoc", "runpy", "symtable", "tabnanny", "token", "pyclbr", "py_compile", "modulefinder",
+    "trace", "tracemalloc", "atexit", "signal", "errno", "copyreg")
 
 HELD_OUT = ("humaneval", "writingbench")  # benchmark sets: never training data (see generate_data)
 
@@ -40,15 +54,24 @@ def _first_paragraph(obj) -> str | None:
 
 def stdlib_prompts(limit: int | None = None) -> list[str]:
     """Code prompts built from standard-library docstrings, in a fixed order that only ever grows at
-    the end (so resumed data folders stay aligned with their shards): module-level functions and
-    classes, then public methods of those classes, then a second phrasing of the functions, then
-    "complete this stub" prompts (signature + docstring, the shape of code-completion requests) for
-    pure-Python functions and methods."""
+    the end (so resumed data folders stay aligned with their shards): for STDLIB_MODULES, module-level
+    functions and classes, then public methods of those classes, then a second phrasing of the
+    functions, then "complete this stub" prompts (signature + docstring, the shape of code-completion
+    requests); then the same four families for MORE_STDLIB_MODULES, interleaved so that any --limit
+    past the first block takes all four shapes from every module."""
+    out = [p for family in _families(STDLIB_MODULES) for p in family]
+    more = _families(tuple(m for m in MORE_STDLIB_MODULES if m not in STDLIB_MODULES))
+    for i in range(max(map(len, more))):
+        out += [family[i] for family in more if i < len(family)]
+    return out[:limit] if limit else out
+
+
+def _families(modules: tuple[str, ...]) -> list[list[str]]:
     items: list[tuple[str, str, str]] = []  # (kind, qualified name, first docstring paragraph)
     methods: list[tuple[str, str, str]] = []
     stubs: list[str] = []  # "def name(signature):" + docstring, for functions then methods
     method_stubs: list[str] = []
-    for name in STDLIB_MODULES:
+    for name in modules:
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -68,15 +91,16 @@ def stdlib_prompts(limit: int | None = None) -> list[str]:
                     if mdoc:
                         methods.append(("method", f"{fname}.{mname}", mdoc))
                         method_stubs += _stub(mname, m, mdoc, owner=fname)
-    out = [f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
-           for kind, qn, first in items]
-    out += [f"Write the Python method `{qn}` that does the following: {first}\nGive the code with a short docstring."
-            for _, qn, first in methods]
-    out += [f"Implement `{qn}` in Python from scratch, with type hints and a docstring: {first}"
-            for kind, qn, first in items if kind == "function"]
-    out += [f"Finish this Python code; answer with the complete code in a single code block.\n\n```python\n{stub}```"
-            for stub in stubs + method_stubs]
-    return out[:limit] if limit else out
+    return [
+        [f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
+         for kind, qn, first in items],
+        [f"Write the Python method `{qn}` that does the following: {first}\nGive the code with a short docstring."
+         for _, qn, first in methods],
+        [f"Implement `{qn}` in Python from scratch, with type hints and a docstring: {first}"
+         for kind, qn, first in items if kind == "function"],
+        [f"Finish this Python code; answer with the complete code in a single code block.\n\n```python\n{stub}```"
+         for stub in stubs + method_stubs],
+    ]
 
 
 def _stub(name: str, fn, doc: str, owner: str | None = None) -> list[str]:

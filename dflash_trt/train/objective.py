@@ -128,7 +128,7 @@ def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, 
     labels = blocks.labels  # [N, J, B-1] token ids
     if drafter.draft_vocab is not None:  # token ids -> draft-vocab indices; outside: no loss, never correct
         dv = drafter.draft_vocab.to(labels.device)
-        idx = torch.searchsorted(dv, labels).clamp_max(len(dv) - 1)
+        idx = torch.searchsorted(dv, labels.contiguous()).clamp_max(len(dv) - 1)
         labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
     B = blocks.block_ids.shape[-1]
     w = position_weights(B, gamma).to(logits.device)

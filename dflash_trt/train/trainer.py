@@ -9,6 +9,7 @@ never stopped.
 Output folder:
   OUT/checkpoint/  drafter (z-lab layout) + trainer_state.pt, replaced atomically every save_every steps
   OUT/drafter/     the final drafter (z-lab layout), loadable by DFlashDrafter.from_pretrained
+  OUT/metrics.jsonl  train metrics every log_every steps; held-out (val_data) metrics at every save
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     dtype: str = "auto"  # target weights dtype (auto: fp32 on CPU, bf16 on GPU)
+    val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -98,29 +100,45 @@ class FeatureStore:
 
     @staticmethod
     def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
+        """Compute (or reuse) the features of `seqs`. A data folder that only grew at the end (more
+        prompts, `data generate` extending it) keeps the features of the sequences it had and computes
+        the new ones; anything else is recomputed from scratch."""
         marker = folder / "complete"
         fp = FeatureStore.fingerprint(seqs, tap_layers)
+        width = len(tap_layers) * target.config.hidden_size
+        start = 0
         if marker.is_file():
             try:
-                if json.loads(marker.read_text()).get("fingerprint") == fp:
-                    return
-            except (json.JSONDecodeError, AttributeError):
-                pass  # an older marker without a fingerprint: recompute
-            print(f"{folder}: features were computed from other data or target layers; recomputing")
-            marker.unlink()
+                prev = json.loads(marker.read_text())
+                prev = prev if isinstance(prev, dict) else {}
+            except json.JSONDecodeError:
+                prev = {}
+            if prev.get("fingerprint") == fp:
+                return
+            n = prev.get("num_seqs")
+            size_ok = (folder / "features.bin").is_file() and \
+                (folder / "features.bin").stat().st_size == prev.get("rows", -1) * width * 2
+            if isinstance(n, int) and 0 < n < len(seqs) and size_ok and \
+                    FeatureStore.fingerprint(seqs[:n], tap_layers) == prev["fingerprint"]:
+                start = n
+                print(f"{folder}: reusing the features of {n} sequences, computing {len(seqs) - n} new ones")
+            else:
+                print(f"{folder}: features were computed from other data or target layers; recomputing")
+            marker.unlink()  # an interrupted update recomputes everything next time
         folder.mkdir(parents=True, exist_ok=True)
         total = sum(map(len, seqs))
-        width = len(tap_layers) * target.config.hidden_size
-        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="w+", shape=(total, width))
-        off = 0
-        for i in tqdm(range(0, len(seqs), batch_size), desc="precomputing target features"):
+        off = sum(map(len, seqs[:start]))
+        if start:
+            os.truncate(folder / "features.bin", total * width * 2)
+        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r+" if start else "w+", shape=(total, width))
+        for i in tqdm(range(start, len(seqs), batch_size), desc="precomputing target features"):
             chunk = seqs[i: i + batch_size]
             taps = target_taps(target, chunk, tap_layers)
             for r, s in enumerate(chunk):
                 mm[off: off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
                 off += len(s)
         mm.flush()
-        marker.write_text(json.dumps({"rows": total, "fingerprint": fp}))
+        marker.write_text(json.dumps({"rows": total, "num_seqs": len(seqs), "fingerprint": fp}))
 
     def get(self, idx: list[int], S: int) -> torch.Tensor:
         out = torch.zeros(len(idx), S, self.width, dtype=torch.bfloat16)
@@ -153,6 +171,49 @@ def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
     return torch.tensor(sorted(top), dtype=torch.long)
 
 
+_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "block_size", "target_layer_ids", "mask_token_id", "draft_vocab_size")
+
+
+def _check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str) -> int | None:
+    """The checkpoint's draft vocabulary size, once resuming is known to be possible. A checkpoint of
+    another drafter shape is refused with the fix (it cannot load); one trained on other data or
+    batching continues, but says so (the run is then no longer bit-reproducible)."""
+    old = DrafterConfig.from_json_dict(json.loads((ckpt / "config.json").read_text()))
+    differ = [f"{f}: checkpoint {getattr(old, f)} vs now {getattr(dcfg, f)}" for f in _SHAPE_FIELDS
+              if f != "draft_vocab_size" and getattr(old, f) != getattr(dcfg, f)]
+    if (old.draft_vocab_size is None) != (dcfg.draft_vocab_size is None):
+        differ.append(f"draft_vocab_size: checkpoint {old.draft_vocab_size} vs now {dcfg.draft_vocab_size}")
+    if differ:
+        raise ConfigError(f"{ckpt} holds a drafter of another shape ({'; '.join(differ)}); "
+                          f"train into a new --out, or delete {ckpt} to start over")
+    if state.get("data_fingerprint") not in (None, data_fp):
+        print(f"{ckpt}: the data (or seed / batch size) changed since this checkpoint; continuing from step "
+              f"{state['step']} on the current data (delete the checkpoint to start over)")
+    return old.draft_vocab_size
+
+
+class _MetricsLog:
+    """OUT/metrics.jsonl; on resume, lines from beyond the checkpoint's step are dropped (they are redone)."""
+
+    def __init__(self, path: Path, step: int):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keep = []
+        if path.is_file():
+            for ln in path.read_text().splitlines():
+                try:
+                    if json.loads(ln)["step"] <= step:
+                        keep.append(ln)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    pass
+        path.write_text("".join(k + "\n" for k in keep))
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=folder.parent))
@@ -175,9 +236,16 @@ def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
 def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
     from dflash_trt.pipeline import load_target
+    from dflash_trt.train.validate import Validator, is_validation
 
     if not cfg.out:
         raise ConfigError("out: give an output folder")
+    if cfg.data and is_validation(cfg.data):
+        raise ConfigError(f"data {cfg.data}: this is a validation set (made with --validation, from held-out "
+                          f"prompts); train on other data and pass it as val_data instead")
+    if cfg.val_data and cfg.data and Path(cfg.val_data).resolve() == Path(cfg.data).resolve():
+        raise ConfigError(f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
+                          f"sequences (dflash-trt data generate --validation)")
     out = Path(cfg.out)
     if target is None:
         if not cfg.target:
@@ -195,9 +263,15 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     if cfg.draft_vocab:
         vocab = frequent_tokens(seqs, min(cfg.draft_vocab, target.vocab_size))
         dcfg.draft_vocab_size = len(vocab)
+    ckpt = out / "checkpoint"
+    data_fp = FeatureStore.fingerprint([s["input_ids"] for s in seqs], [cfg.seed, cfg.batch_size, cfg.grad_accum])
+    state = None
+    if (ckpt / "trainer_state.pt").is_file():
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        dcfg.draft_vocab_size = _check_resume(ckpt, state, dcfg, data_fp)  # the checkpoint's head is kept
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
-    if vocab is not None:
+    if vocab is not None and state is None:
         drafter.draft_vocab.copy_(vocab)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
@@ -205,17 +279,20 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     total = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
     stop_at = min(total, cfg.max_steps or total)
     step = 0
-    ckpt = out / "checkpoint"
-    if (ckpt / "trainer_state.pt").is_file():
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if state is not None:  # resume: weights, draft vocabulary, optimizer moments and step
         drafter.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
         opt.load_state_dict(state["optimizer"])
-        step = state["step"]
+        step = int(state["step"])
     store = None
     if cfg.features == "offline":
         fdir = Path(cfg.features_dir or out / "features")
         FeatureStore.build(target, [s["input_ids"] for s in seqs], dcfg.target_layer_ids, fdir, cfg.batch_size)
         store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], dcfg.num_taps * dcfg.hidden_size)
+    validator = None
+    if cfg.val_data:
+        validator = Validator(target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id,
+                              gamma, cfg.max_seq_len)
+    metrics = _MetricsLog(out / "metrics.jsonl", step)
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress)
     t0, seen = time.perf_counter(), 0
@@ -252,10 +329,19 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         bar.update(1)
         if step % cfg.log_every == 0 or step == stop_at:
             acc = res.accuracy.tolist()
+            tok_s = seen / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{res.loss.item():.3f}", acc1=f"{acc[0]:.2f}", tau_est=f"{1 + res.accepted.item():.2f}",
-                            tok_s=f"{seen / (time.perf_counter() - t0):.0f}", lr=f"{lr:.1e}")
+                            tok_s=f"{tok_s:.0f}", lr=f"{lr:.1e}")
+            metrics.write({"step": step, "loss": res.loss.item(), "acc": [round(a, 4) for a in acc],
+                           "tau_est": 1 + res.accepted.item(), "lr": lr, "tok_s": tok_s})
         if step % cfg.save_every == 0 or step == stop_at:
-            _save_checkpoint(ckpt, drafter, {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg)})
+            if validator is not None:
+                v = validator(drafter)
+                metrics.write({"step": step, **v})
+                bar.write(f"step {step}: held-out loss {v['val_loss']:.3f}, tau_est {v['val_tau_est']:.2f}, "
+                          f"acc@1 {v['val_acc'][0]:.2f} ({v['val_blocks']} blocks)")
+            _save_checkpoint(ckpt, drafter, {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg),
+                                             "data_fingerprint": data_fp})
     bar.close()
     final = out / "drafter"
     DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)
