@@ -60,7 +60,6 @@ def register(main: click.Group) -> None:
         from dflash_trt.pipeline import load_target, load_tokenizer
         from dflash_trt.errors import DFlashError
         from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts
-
         from dflash_trt.train.validate import is_validation, mark_validation
 
         if source in HELD_OUT and not validation:

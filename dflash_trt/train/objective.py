@@ -36,6 +36,18 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+def anchor_range(length: int, prompt_len: int, block_size: int) -> tuple[int, int]:
+    """Inclusive range (lo, hi) of admissible anchors: response positions a with a + B <= length
+    (position 0 never: its block would have no context). Empty when hi < lo."""
+    return max(prompt_len, 1), length - block_size
+
+
+def trainable(seq: dict, block_size: int) -> bool:
+    """Whether a data sequence ({"input_ids", "prompt_len"}) has room for at least one block."""
+    lo, hi = anchor_range(len(seq["input_ids"]), seq["prompt_len"], block_size)
+    return hi >= lo
+
+
 def sample_anchors(lengths: list[int], prompt_lens: list[int], num: int, block_size: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num` distinct anchors per sequence among response positions a with a + B <= length.
@@ -45,7 +57,7 @@ def sample_anchors(lengths: list[int], prompt_lens: list[int], num: int, block_s
     anchors = torch.zeros(N, num, dtype=torch.long)
     valid = torch.zeros(N, num, dtype=torch.bool)
     for r, (L, P) in enumerate(zip(lengths, prompt_lens)):
-        lo, hi = max(P, 1), L - block_size  # inclusive range of admissible anchors
+        lo, hi = anchor_range(L, P, block_size)
         if hi < lo:
             continue
         cand = torch.arange(lo, hi + 1)

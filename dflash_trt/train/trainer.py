@@ -33,7 +33,8 @@ from dflash_trt.config import DrafterConfig
 from dflash_trt.engine.drafter import DFlashDrafter
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
-from dflash_trt.train.objective import cosine_lr, default_gamma, dflash_loss, make_blocks, sample_anchors
+from dflash_trt.train.objective import (cosine_lr, default_gamma, dflash_loss, make_blocks, sample_anchors,
+                                        trainable)
 
 
 @dataclass
@@ -90,10 +91,11 @@ class FeatureStore:
         self.mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(int(self.offsets[-1]), width))
 
     @staticmethod
-    def fingerprint(seqs: list[list[int]], tap_layers: list[int]) -> str:
-        """What the features were computed from: reusing them for other data or taps would silently
-        train on the wrong hidden states (the memmap only knows its row count)."""
-        h = hashlib.sha256(json.dumps(list(tap_layers)).encode())
+    def fingerprint(seqs: list[list[int]], salt: list[int]) -> str:
+        """sha256 of token sequences plus what else they were used with (the tap layers for features;
+        seed and batching for a training run): reusing features for other data or taps would
+        silently train on the wrong hidden states (the memmap only knows its row count)."""
+        h = hashlib.sha256(json.dumps(list(salt)).encode())
         for s in seqs:
             h.update(np.asarray(s, dtype=np.int64).tobytes() + b"|")
         return h.hexdigest()
@@ -251,7 +253,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
         target, _ = load_target(cfg.target, cfg.dtype, progress)
-    seqs = [s for s in read_sequences(cfg.data) if len(s["input_ids"]) - max(s["prompt_len"], 1) >= cfg.block_size]
+    seqs = [s for s in read_sequences(cfg.data) if trainable(s, cfg.block_size)]
     if not seqs:
         raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
                           f"generate longer responses or lower block_size")

@@ -19,7 +19,7 @@ import torch
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
-from dflash_trt.train.objective import BlockBatch, dflash_loss, make_blocks
+from dflash_trt.train.objective import BlockBatch, anchor_range, dflash_loss, make_blocks, trainable
 
 VALIDATION_MARKER = "VALIDATION"  # in a data folder made for validation: never used as training data
 
@@ -34,7 +34,7 @@ def is_validation(folder: str | Path) -> bool:
 
 def fixed_anchors(length: int, prompt_len: int, block_size: int, num: int) -> list[int]:
     """Up to `num` evenly spaced admissible anchors (response positions a with a + B <= length)."""
-    lo, hi = max(prompt_len, 1), length - block_size
+    lo, hi = anchor_range(length, prompt_len, block_size)
     if hi < lo:
         return []
     n = min(num, hi - lo + 1)
@@ -47,15 +47,14 @@ class Validator:
     def __init__(self, target, data_dir: str | Path, tap_layers: list[int], block_size: int, mask_token_id: int,
                  gamma: float, max_seq_len: int, anchors_per_seq: int = 32, max_seqs: int = 64,
                  batch_size: int = 4):
+        from dflash_trt.bench.datasets import spread
         from dflash_trt.train.trainer import target_taps
 
-        seqs = [s for s in read_sequences(data_dir) if len(s["input_ids"]) - max(s["prompt_len"], 1) >= block_size]
+        seqs = [s for s in read_sequences(data_dir) if trainable(s, block_size)]
         if not seqs:
             raise ConfigError(f"val_data {data_dir}: no sequence has a response of >= block_size={block_size} tokens")
-        if len(seqs) > max_seqs:  # spread over the set; features of all of them stay in memory
-            seqs = [seqs[round(i * (len(seqs) - 1) / (max_seqs - 1))] for i in range(max_seqs)]
+        seqs = spread(seqs, max_seqs)  # features of all of them stay in memory
         self.gamma = gamma
-        self.num_seqs = len(seqs)
         self.batches: list[tuple[torch.Tensor, BlockBatch]] = []
         for i in range(0, len(seqs), batch_size):
             chunk = [s["input_ids"][:max_seq_len] for s in seqs[i: i + batch_size]]
