@@ -81,13 +81,16 @@ def models_list():
 @click.option("--seed", default=None, type=int)
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
 @click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
-@click.option("--kernels", type=click.Choice(["auto", "triton", "torch"]), default="torch", show_default=True,
+@click.option("--kernels", type=click.Choice(["auto", "triton", "torch"]), default="auto", show_default=True,
               help="Drafter KV injection / block attention and acceptance: Triton GPU kernels, plain PyTorch, "
                    "or auto (Triton on CUDA when installed, else PyTorch).")
+@click.option("--cuda-graph", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Replay the drafter step from a CUDA graph (needs the Triton kernels on a GPU; auto = when "
+                   "they run).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top_p, top_k, max_new_tokens,
-             block_size, seed, dtype, baseline, kernels, as_json):
+             block_size, seed, dtype, baseline, kernels, cuda_graph, as_json):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
@@ -100,7 +103,8 @@ def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top
     ids = encode(tok, prompt, chat)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                             seed=seed, stop_token_ids=stop_ids(tok))
-    res = run_generate(tgt, drafter, tok, ids, params, baseline=baseline, kernels=kernels)
+    res = run_generate(tgt, drafter, tok, ids, params, baseline=baseline, kernels=kernels,
+                       cuda_graph=cuda_graph)
     if as_json:
         click.echo(json.dumps({"text": res.text, "tokens": res.tokens, "stats": res.stats,
                                "baseline_stats": res.baseline_stats, "speedup": res.speedup,

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh              # from anywhere; results table on stdout
 #   OUT=/some/dir bash scripts/gpu_check.sh   # also writes $OUT/gpu_check.json and the logs
 #   bash scripts/gpu_check.sh --dry-run    # CPU: the same steps in Triton's interpreter, tiny shapes
+#   TEST_TIMEOUT=200 CHECK_TIMEOUT=240 bash scripts/gpu_check.sh   # seconds per step (default 900, 1200)
 #
 # Needs PyTorch with CUDA and Triton (preinstalled on the GPU machine); no TensorRT, no network.
 # 1. tests/test_kernels.py compiled for the local GPU (DFLASH_TEST_KERNELS_ON_GPU=1, no interpreter):
@@ -47,7 +48,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     conftest_ok=$("$PY" -c "import sys; sys.path.insert(0, 'tests'); import conftest" 2>/dev/null && echo yes || echo no)
     extra=()
     [ "$conftest_ok" = no ] && extra=(--noconftest) && echo "note: tests/conftest.py cannot import here; running with --noconftest"
-    env "${gpu_env[@]}" timeout 900 "$PY" -m pytest -q -p no:cacheprovider "${extra[@]}" tests/test_kernels.py \
+    env "${gpu_env[@]}" timeout "${TEST_TIMEOUT:-900}" "$PY" -m pytest -q -p no:cacheprovider "${extra[@]}" tests/test_kernels.py \
         2>&1 | tee "$LOG/test_kernels_gpu.log" | tail -25
     rc=${PIPESTATUS[0]}
     echo "test_kernels.py on GPU: exit $rc"
@@ -59,7 +60,7 @@ fi
 echo "== 2. kernel timings (scripts/gpu_check.py)"
 dry=()
 [ "$DRY" = 1 ] && dry=(--dry-run)
-timeout 1200 "$PY" scripts/gpu_check.py "${dry[@]}" ${OUT:+--json "$OUT/gpu_check.json"} 2>&1 | tee "$LOG/gpu_check.log"
+timeout "${CHECK_TIMEOUT:-1200}" "$PY" scripts/gpu_check.py "${dry[@]}" ${OUT:+--json "$OUT/gpu_check.json"} 2>&1 | tee "$LOG/gpu_check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check.py: exit $rc"
 [ "$rc" -ne 0 ] && status=1

@@ -155,6 +155,55 @@ def test_sampling_on_kernels_equals_torch(target):
     assert out.tokens == ref.tokens
 
 
+def _scripted_run(target, drafter, params_of, **engine_kw):
+    """Requests finish at different steps (max_new_tokens 3, 7, 11) and one joins after step 2,
+    so the running batch changes shape three times. -> ({request: tokens}, engine)."""
+    eng = SpecEngine(target, drafter, max_batch=4, max_seq_len=64, **engine_kw)
+    eng.add_requests([(str(i), p, params_of(n)) for i, (p, n) in enumerate(zip(PROMPTS[3], (3, 7, 11)))])
+    tokens, steps = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id] = tokens.get(o.request_id, []) + o.new_token_ids
+        steps += 1
+        if steps == 2:
+            eng.add_request("late", [42, 7, 19], params_of(6))
+    return tokens, eng
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_graph_replay_equals_eager(target, sampled):
+    """The propose step replayed from static buffers (engine/cuda_graph.py) == the eager loop,
+    while rows leave and join. eager_capture stands in for torch.cuda.graph on CPU with a real
+    graph's contract: every replay overwrites the same output tensors in place."""
+    from dflash_trt.engine.cuda_graph import eager_capture
+
+    drafter = kernel_drafter(target, 4)
+
+    def params_of(n):
+        if sampled:
+            return SamplingParams(temperature=0.8, top_k=50, max_new_tokens=n, seed=n, ignore_eos=True)
+        return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+    ref, ref_eng = _scripted_run(target, drafter, params_of, kernels="torch")
+    out, eng = _scripted_run(target, drafter, params_of, kernels="triton", cuda_graph="on", _capture=eager_capture)
+    assert ref_eng.graphs is None and eng.graphs is not None
+    assert out == ref and sorted(len(t) for t in out.values()) == [3, 6, 7, 11]
+    assert eng.graphs.captures >= 3  # first batch, after the join, after each departure
+    one = generate(target, drafter, PROMPTS[1], params_of(9), kernels="triton", cuda_graph="on",
+                   _capture=eager_capture)
+    assert one.tokens == generate(target, drafter, PROMPTS[1], params_of(9), kernels="torch").tokens
+
+
+def test_graph_options_fail_clearly(target):
+    drafter = kernel_drafter(target, 4)
+    with pytest.raises(DFlashError, match="cuda_graph='on' needs the Triton kernels on a CUDA device"):
+        SpecEngine(target, drafter, kernels="torch", cuda_graph="on")
+    with pytest.raises(DFlashError, match="cuda_graph='maybe': expected one of auto, on, off"):
+        SpecEngine(target, drafter, cuda_graph="maybe")
+    assert SpecEngine(target, drafter).graphs is None  # auto on a CPU model: eager
+    assert SpecEngine(target, drafter, kernels="triton").graphs is None  # interpreter, no CUDA: eager
+
+
 def test_stacked_cache_rows_join_and_leave(target):
     drafter = kernel_drafter(target, 4)
     drafter.use_kernels("triton")

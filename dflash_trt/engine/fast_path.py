@@ -11,8 +11,8 @@ launchers. The plain-PyTorch code in engine/drafter.py and spec/verify.py stays 
                     Anything that cannot run raises DFlashError naming the reason.
   kernels="auto"    "triton" when kernels_available() and the model is on a CUDA device and the
                     drafter's shapes are supported; otherwise "torch" (never an error).
-  kernels="torch"   the default everywhere until scripts/gpu_check.sh has passed on a real GPU
-                    (the kernels are verified in Triton's CPU interpreter only so far).
+  kernels="auto"    the default of generate(), SpecEngine and the CLI since scripts/gpu_check.sh
+                    passed on an H200 (2026-12-04; README "GPU kernel check"): unchanged on CPU.
 
 Layouts: kv_inject writes every layer in one launch, so the drafter cache of the Triton path is
 a StackedKVCache: one contiguous [L, R, H_kv, S_max, D] tensor per K and V whose per-layer
@@ -193,7 +193,9 @@ class TorchAccept:
 
 
 class TritonAccept:
-    """kernels.greedy_accept (argmax taken in-kernel from the logits) / kernels.rejection_accept."""
+    """kernels.greedy_accept on the target's argmax / kernels.rejection_accept. The kernel can
+    take the argmax itself from the logits, but one program per row scanning B x V logits ran at
+    0.11-0.41x of torch.argmax on an H200 (README "GPU kernel check"), so the engine hands it ids."""
 
     name = "triton"
 
@@ -203,7 +205,7 @@ class TritonAccept:
         self._greedy, self._rejection = kernels.greedy_accept, kernels.rejection_accept
 
     def greedy(self, block: torch.Tensor, logits: torch.Tensor) -> Verdict:
-        return self._greedy(block, logits)
+        return self._greedy(block, logits.argmax(-1))
 
     def rejection(self, draft, p, q, u_accept, u_sample) -> Verdict:
         return self._rejection(draft, p, q, u_accept, u_sample)

@@ -290,4 +290,6 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
     # pipeline's loaders also read FP8/NVFP4 (Model Optimizer layout) folders, dequantised on load
     target = load_target(str(target_dir), dtype, progress=False)[0]
     drafter = load_drafter(target, str(drafter_dir)).eval()
-    return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len)
+    # cuda_graph off: under continuous batching the rows change almost every step and each change
+    # would recapture the graph (engine/cuda_graph.py), costing more than replay saves
+    return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off")

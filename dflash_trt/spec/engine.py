@@ -20,6 +20,7 @@ import torch
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.engine import fast_path
+from dflash_trt.engine.cuda_graph import GraphedPropose, cuda_capture
 from dflash_trt.errors import DFlashError
 from dflash_trt.spec.verify import Verdict, sample_tokens, warp_logits
 
@@ -85,15 +86,19 @@ class _Request:
 
 class SpecEngine:
     def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None,
-                 kernels: str = "torch"):
+                 kernels: str = "auto", cuda_graph: str = "auto", _capture=None):
         """kernels: "auto" | "triton" | "torch" (see engine/fast_path.py): the drafter's context
-        injection and block attention and the acceptance step on the Triton kernels or PyTorch."""
+        injection and block attention and the acceptance step on the Triton kernels or PyTorch.
+        cuda_graph: "auto" | "on" | "off": replay the drafter's propose step from a CUDA graph
+        (engine/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
+        _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
         self.target, self.drafter = target, drafter
         self.accept_ops = fast_path.accept_ops(kernels, target.device)
         # the drafter object is shared, so every engine sets its switch; drafters without one
         # (test doubles) have no kernels to run
         self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"
         self.kernels = kernels
+        self.graphs = self._graphs(cuda_graph, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or 4096, target.max_context())
@@ -103,6 +108,19 @@ class SpecEngine:
         self.tcache = self.dcache = None
         self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
         self._finished_unreported: list[_Request] = []
+
+    def _graphs(self, mode: str, capture) -> GraphedPropose | None:
+        if mode not in ("auto", "on", "off"):
+            raise DFlashError(f"cuda_graph={mode!r}: expected one of auto, on, off")
+        on_gpu = torch.device(self.target.device).type == "cuda" or capture is not None
+        usable = self.drafter_kernels == "triton" and on_gpu
+        if mode == "on" and not usable:
+            raise DFlashError(f"cuda_graph='on' needs the Triton kernels on a CUDA device (kernels in use: "
+                              f"{self.drafter_kernels}, device: {self.target.device}); use cuda_graph='auto' "
+                              f"or 'off', or kernels='triton' on a GPU")
+        if mode == "off" or not usable:
+            return None
+        return GraphedPropose(self.drafter, capture or cuda_capture)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -206,10 +224,13 @@ class SpecEngine:
     def propose(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inject last round's target features, draft a block. -> block [R, B], q [R, B-1, V] or None."""
         R, B = len(self.reqs), self.block_size
-        self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
-        block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
-        block[:, 0] = self.last
-        logits = self.drafter.draft_logits(block, self.dcache)  # [R, B-1, V]
+        if self.graphs is not None:  # the same two calls, replayed from a CUDA graph
+            block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
+        else:
+            self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
+            block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
+            block[:, 0] = self.last
+            logits = self.drafter.draft_logits(block, self.dcache)  # [R, B-1, V]
         if all(r.params.greedy for r in self.reqs):
             block[:, 1:] = logits.argmax(-1)
             return block, None
