@@ -259,9 +259,9 @@ def test_cli_generate_kernels_option(tmp_path, monkeypatch):
     t = TargetModel.from_pretrained(target_dir, dtype=torch.float32)
     kernel_drafter(t, 4).save_pretrained(tmp_path / "drafter")
 
-    def gen(kernels):
+    def gen(kernels, *extra):
         args = ["generate", "--target", target_dir, "--drafter", tmp_path / "drafter", "--prompt", "def add",
-                "--max-new-tokens", 8, "--json", "--dtype", "float32", "--kernels", kernels]
+                "--max-new-tokens", 8, "--json", "--dtype", "float32", "--kernels", kernels, *extra]
         return CliRunner().invoke(main, [str(a) for a in args])
 
     outs = {}
@@ -270,6 +270,9 @@ def test_cli_generate_kernels_option(tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
         outs[k] = json.loads(r.stdout)["tokens"]
     assert outs["triton"] == outs["torch"] and len(outs["torch"]) > 1
+    r = gen("triton", "--cuda-graph", "on")  # interpreter on a CPU model: no CUDA graph to capture
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
+        "error: cuda_graph='on' needs the Triton kernels on a CUDA device")
     monkeypatch.delenv("TRITON_INTERPRET")
     r = gen("triton")
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
