@@ -262,6 +262,7 @@ class _StubTarget:
 def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
     """One whole drafter step at the real shape: inject B verified tokens, draft one block."""
     from dflash_trt.config import DrafterConfig
+    from dflash_trt.engine.cuda_graph import cuda_capture
     from dflash_trt.engine.drafter import DFlashDrafter
 
     d, B, dt = cfg["d"], cfg["B"], cfg["dtype"]
@@ -278,18 +279,7 @@ def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
         block = torch.randint(0, dc.vocab_size, (R, B), generator=g, device=dev)
         out, times, context = {}, {}, None
         for mode in ("triton", "torch"):
-            drafter.use_kernels(mode)
-            cache = drafter.new_cache(R, ctx + B)
-            if context is None:  # any context K/V, the same for both paths
-                context = torch.randn(cache.k[0].shape, generator=g, device=dev).to(dt)
-            for t in (*cache.k, *cache.v):
-                t.copy_(context)
-
-            def step():
-                cache.lengths.fill_(ctx)
-                drafter.inject_context(taps, n_new, cache)
-                return drafter.draft_block(block, cache)
-
+            step, context = drafter_step(drafter, mode, ctx, taps, n_new, block, context, g)
             out[mode] = step()
             times[mode] = bench(step, dev)
             if profile:
@@ -308,18 +298,9 @@ def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
         if dev.type == "cuda":  # the same step replayed from a CUDA graph: what launch overhead costs eagerly
             gtimes, gerr = {}, 0.0
             for mode in ("triton", "torch"):
-                drafter.use_kernels(mode)
-                cache = drafter.new_cache(R, ctx + B)
-                for t in (*cache.k, *cache.v):
-                    t.copy_(context)
-
-                def step():
-                    cache.lengths.fill_(ctx)
-                    drafter.inject_context(taps, n_new, cache)
-                    return drafter.draft_block(block, cache)
-
+                step, _ = drafter_step(drafter, mode, ctx, taps, n_new, block, context, g)
                 try:
-                    graph, gout = capture(step, cache)
+                    graph, gout = cuda_capture(step)
                 except Exception as e:  # noqa: BLE001 - reported, not fatal: eager numbers stand
                     print(f"  CUDA graph capture of the {mode} path failed: {type(e).__name__}: {str(e)[:160]}")
                     gtimes[mode] = float("nan")
@@ -333,27 +314,26 @@ def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
             rep.add("drafter step, CUDA graph", shape, gtimes["triton"], gtimes["torch"], moved, gerr,
                     gerr <= tol_ok, err_label="max err vs eager")
         drafter.use_kernels("torch")
-        del cache, context
+        del step, context
 
 
-def capture(fn, cache):
-    """fn captured into a CUDA graph -> (graph, its output tensor). Warm-up runs on a side stream
-    as PyTorch requires; the cache's room check (a host sync, not capturable) is done beforehand
-    by those runs and skipped inside the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    cache.check_room = lambda n: None  # instance attribute shadows the method for the capture only
-    try:
-        with torch.cuda.graph(graph):
-            out = fn()
-    finally:
-        del cache.check_room
-    return graph, out
+def drafter_step(drafter, mode, ctx, taps, n_new, block, context, g):
+    """A fresh `mode` cache whose slots hold `context` (drawn at its shape when None, so both paths
+    see the same K/V) -> (step, context); step() resets the row lengths to ctx, injects the taps
+    and drafts the block, so it can be timed or captured repeatedly."""
+    drafter.use_kernels(mode)
+    cache = drafter.new_cache(taps.shape[0], ctx + block.shape[1])
+    if context is None:
+        context = torch.randn(cache.k[0].shape, generator=g, device=taps.device).to(taps.dtype)
+    for t in (*cache.k, *cache.v):
+        t.copy_(context)
+
+    def step():
+        cache.lengths.fill_(ctx)
+        drafter.inject_context(taps, n_new, cache)
+        return drafter.draft_block(block, cache)
+
+    return step, context
 
 
 def profile_step(fn, dev, label, steps=5):
@@ -378,108 +358,6 @@ def profile_step(fn, dev, label, steps=5):
     busy = sum(e.device_time_total for e in kernels) / steps if dev.type == "cuda" else float("nan")
     print(f"\n-- profile: {label}: wall {wall:.0f} us/step, device busy {busy:.0f} us/step (under the profiler)")
     print(events.table(sort_by=key, row_limit=12, max_name_column_width=60))
-
-
-def engine_parity(dev) -> dict:
-    """generate() with kernels='triton' emits exactly kernels='torch''s tokens (tiny random Qwen3)."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return {"skipped": "transformers is not installed"}
-    import dataclasses
-
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from dflash_trt.config import DrafterConfig, SamplingParams
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.target import TargetModel
-    from dflash_trt.spec.loop import generate, generate_baseline
-
-    torch.manual_seed(0)
-    hf_cfg = Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, intermediate_size=256, vocab_size=256, max_position_embeddings=512)
-    hf_cfg.eos_token_id = None
-    target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).float().eval().to(dev))
-    cfg = DrafterConfig.for_target(target.config, num_layers=2, block_size=8)
-    cfg = dataclasses.replace(cfg, head_dim=64)  # the kernels need a power of two >= 32
-    torch.manual_seed(1)
-    drafter = DFlashDrafter(cfg).float().bind(target).eval()
-    prompts = [[5, 17, 33, 2, 9], [100], [8, 8, 200, 31, 4, 66, 1]]
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    res = {m: generate(target, drafter, prompts, params, kernels=m, cuda_graph="off") for m in ("torch", "triton")}
-    if dev.type == "cuda":
-        res["triton+graph"] = generate(target, drafter, prompts, params, kernels="triton", cuda_graph="on")
-    base = generate_baseline(target, prompts, params)
-    same = all(r.tokens == base.tokens for r in res.values())
-    return {"identical_tokens": same, "rows": len(prompts), "block_size": 8, "paths": list(res),
-            "accept_hist_equal": all(r.stats.accept_hist == res["torch"].stats.accept_hist for r in res.values())}
-
-
-def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
-    """generate() end to end on a random Qwen3-0.6B-shaped target (bf16) with a 5-layer B=16
-    drafter: wall time per verify step of the eager PyTorch path, the Triton kernels, and the
-    kernels replayed from a CUDA graph, tokens checked identical. Random weights accept ~nothing
-    (tau ~1), so this is the loop's cost per step, not a speedup; the target forward is eager."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from dflash_trt.config import DrafterConfig, SamplingParams
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.target import TargetModel
-    from dflash_trt.spec.loop import generate, generate_baseline
-
-    torch.manual_seed(0)
-    hf_cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
-    hf_cfg.eos_token_id = None
-    target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).to(dev, torch.bfloat16).eval())
-    drafter = DFlashDrafter(DrafterConfig.for_target(target.config, num_layers=5, block_size=16)).bind(target).eval()
-    modes = {"torch": dict(kernels="torch", cuda_graph="off"), "triton": dict(kernels="triton", cuda_graph="off"),
-             "triton+graph": dict(kernels="triton", cuda_graph="on")}
-    out = []
-    for R in rows:
-        g = torch.Generator().manual_seed(R)
-        prompts = torch.randint(0, hf_cfg.vocab_size, (R, prompt_len), generator=g).tolist()
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        base = generate_baseline(target, prompts, params)
-        res, per_step = {}, {}
-        for name, kw in modes.items():
-            generate(target, drafter, prompts, SamplingParams(max_new_tokens=20, ignore_eos=True), **kw)  # warm up
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            res[name] = generate(target, drafter, prompts, params, **kw)
-            torch.cuda.synchronize()
-            batch_steps = res[name].stats.num_verify_steps / R  # stats count steps per request
-            per_step[name] = (time.perf_counter() - t0 - res[name].stats.prefill_time) / batch_steps
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        generate_baseline(target, prompts, params)
-        torch.cuda.synchronize()
-        t_base = (time.perf_counter() - t0) / new_tokens
-        ids = torch.tensor(prompts, device=dev)
-        hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        target.hf.generate(ids, **{**hf_kw, "max_new_tokens": 8, "min_new_tokens": 8})  # warm up
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        target.hf.generate(ids, **hf_kw)
-        torch.cuda.synchronize()
-        t_hf = (time.perf_counter() - t0) / new_tokens
-        # bf16: a block verify and one-token decoding may round a near-tie differently, so this is
-        # reported (with where rows first differ) rather than failed; engine_parity is the exact check
-        diverge = {k: min((next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                           for x, y in zip(r.tokens, base.tokens)), key=lambda i: 1e9 if i is None else i)
-                   for k, r in res.items()}
-        row = dict(rows=R, prompt_len=prompt_len, new_tokens=new_tokens, tau=res["torch"].stats.tau,
-                   identical=all(r.tokens == base.tokens for r in res.values()), first_divergence=diverge,
-                   ms_per_step={k: round(v * 1e3, 2) for k, v in per_step.items()},
-                   baseline_ms_per_token=round(t_base * 1e3, 2), hf_generate_ms_per_token=round(t_hf * 1e3, 2),
-                   dflash_paths_agree=all(r.tokens == res["torch"].tokens for r in res.values()))
-        print(f"  loop R={R}: ms per verify step {row['ms_per_step']}, target alone {row['baseline_ms_per_token']} "
-              f"ms/token, HF generate() {row['hf_generate_ms_per_token']} ms/token, tau {row['tau']:.2f}, identical to the "
-              f"target alone {row['identical']} (first divergence {diverge}), DFlash paths agree "
-              f"{row['dflash_paths_agree']}", flush=True)
-        out.append(row)
-    return out
 
 
 def main() -> int:
@@ -523,6 +401,8 @@ def main() -> int:
                        cases["rejection"] if "rejection" in sections else [], dev, g)
         if "step" in sections:
             run_drafter_step(rep, cfg, cases["step"], dev, g, profile=args.profile)
+        from gpu_engine_check import engine_parity, loop_timing  # scripts/, beside this file
+
         engine = engine_parity(dev) if "engine" in sections else {"skipped": "not selected"}
         loop = loop_timing(dev) if "loop" in sections and dev.type == "cuda" else []
     title = (f"DFlash kernels on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "

@@ -157,7 +157,7 @@ def test_sampling_on_kernels_equals_torch(target):
 
 def _scripted_run(target, drafter, params_of, **engine_kw):
     """Requests finish at different steps (max_new_tokens 3, 7, 11) and one joins after step 2,
-    so the running batch changes shape three times. -> ({request: tokens}, engine)."""
+    so the running batch changes several times. -> ({request: tokens}, engine)."""
     eng = SpecEngine(target, drafter, max_batch=4, max_seq_len=64, **engine_kw)
     eng.add_requests([(str(i), p, params_of(n)) for i, (p, n) in enumerate(zip(PROMPTS[3], (3, 7, 11)))])
     tokens, steps = {}, 0
@@ -184,14 +184,45 @@ def test_graph_replay_equals_eager(target, sampled):
             return SamplingParams(temperature=0.8, top_k=50, max_new_tokens=n, seed=n, ignore_eos=True)
         return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
-    ref, ref_eng = _scripted_run(target, drafter, params_of, kernels="torch")
+    # the reference is the same kernels run eagerly: the graph adds no arithmetic, so tokens must
+    # match bit for bit even when sampling (the PyTorch path rounds differently in the last bits)
+    ref, ref_eng = _scripted_run(target, drafter, params_of, kernels="triton", cuda_graph="off")
     out, eng = _scripted_run(target, drafter, params_of, kernels="triton", cuda_graph="on", _capture=eager_capture)
     assert ref_eng.graphs is None and eng.graphs is not None
     assert out == ref and sorted(len(t) for t in out.values()) == [3, 6, 7, 11]
-    assert eng.graphs.captures >= 3  # first batch, after the join, after each departure
+    if not sampled:
+        assert out == _scripted_run(target, drafter, params_of, kernels="torch")[0]
+    # the batch changes several times; how many of those recapture depends on whether the new cache
+    # lands at the old addresses (same rows and storage: the graph stays valid), so no exact count
+    assert eng.graphs.captures >= 2
     one = generate(target, drafter, PROMPTS[1], params_of(9), kernels="triton", cuda_graph="on",
                    _capture=eager_capture)
-    assert one.tokens == generate(target, drafter, PROMPTS[1], params_of(9), kernels="torch").tokens
+    assert one.tokens == generate(target, drafter, PROMPTS[1], params_of(9), kernels="triton", cuda_graph="off").tokens
+
+
+def test_graph_recaptured_exactly_when_the_key_changes(target):
+    """GraphedPropose recaptures for another cache storage or batch size and replays otherwise."""
+    from dflash_trt.engine.cuda_graph import GraphedPropose, eager_capture
+
+    drafter = kernel_drafter(target, 4)
+    drafter.use_kernels("triton")
+    gp = GraphedPropose(drafter, eager_capture)
+    d = drafter.config.num_taps * drafter.config.hidden_size
+    a, b, c = drafter.new_cache(2, 16), drafter.new_cache(2, 16), drafter.new_cache(3, 16)  # alive together
+
+    def call(cache):
+        R = cache.batch
+        return gp(torch.zeros(R, 4, d), torch.ones(R, dtype=torch.long), torch.zeros(R, dtype=torch.long), cache)
+
+    call(a)
+    call(a)
+    assert gp.captures == 1
+    call(b)  # same shape, other storage
+    assert gp.captures == 2
+    call(c)  # another batch size
+    call(c)
+    assert gp.captures == 3
+    assert c.lengths.tolist() == [2, 2, 2]  # each replay advanced the rows like inject_context
 
 
 def test_graph_options_fail_clearly(target):

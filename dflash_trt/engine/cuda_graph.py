@@ -2,7 +2,7 @@
 draft one block, project it through the LM head.
 
 Why: on a GPU the eager drafter step is launch-bound. Measured on an H200 (Qwen3-8B drafter
-shape, 5 layers, B=16, Triton kernels, scripts/gpu_check.py): 9.1 ms eager against 1.8 ms
+shape, 5 layers, B=16, Triton kernels, scripts/gpu_check.py): 9.8 ms eager against 1.8 ms
 replayed from a graph at batch 1, bit-identical output. The plain-PyTorch path cannot be
 captured (its block attention reads the longest row length on the host), so graphs need
 kernels="triton".
