@@ -266,3 +266,21 @@ def test_generate_data_extends_a_short_last_shard(tmp_path):
     assert grown.startswith(first) and len(grown.splitlines()) == 3
     assert grown == (tmp_path / "fresh" / "data-00001.jsonl").read_text()
     assert len(read_sequences(tmp_path / "grown")) == len(prompts)
+
+
+def test_stdlib_code_prompts_are_parseable_stubs_in_a_stable_order():
+    import ast
+    import re
+
+    prompts = load_prompts("stdlib-code")
+    assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
+    assert load_prompts("stdlib-code", limit=50) == prompts[:50]
+    assert not any(re.search(r"at 0x[0-9a-f]{6}", p) for p in prompts)  # no per-process reprs in defaults
+    for p in prompts:
+        code = re.search(r"```python\n(.*)```$", p, re.S)
+        assert code, p[:200]
+        tree = ast.parse(code.group(1))  # the stub itself is valid Python: a def whose body is its docstring
+        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+        assert ast.get_docstring(fn), p[:200]
+    # the shuffle mixes modules, so a small --limit is not one module's functions
+    assert len({re.search(r"def (\w+)", p).group(1) for p in prompts[:64]}) > 50

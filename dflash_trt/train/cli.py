@@ -46,7 +46,7 @@ def register(main: click.Group) -> None:
     @data.command("generate")
     @click.option("--target", required=True, help="Target model name or folder.")
     @click.option("--prompts", "source", required=True,
-                  help="stdlib | FILE.txt | FILE.jsonl; with --validation also humaneval | writingbench")
+                  help="stdlib | stdlib-code | FILE.txt | FILE.jsonl; with --validation also humaneval | writingbench")
     @click.option("--out", required=True, help="Output folder of data-*.jsonl shards.")
     @click.option("--validation", is_flag=True, default=False,
                   help="A held-out validation set for `train --val-data` (marked: never accepted as training data).")
@@ -64,7 +64,7 @@ def register(main: click.Group) -> None:
 
         if source in HELD_OUT and not validation:
             raise DFlashError(f"--prompts {source}: benchmark prompts are held out from training (they measure "
-                              f"the drafter); use stdlib or your own prompt file, or add --validation to make "
+                              f"the drafter); use stdlib, stdlib-code or your own prompt file, or add --validation to make "
                               f"a validation set for `train --val-data`")
         if not validation and is_validation(out):
             raise DFlashError(f"--out {out}: holds a validation set; add --validation to extend it, or pick another folder")

@@ -5,7 +5,9 @@ the loss mask is "position >= prompt_len"). Responses are the target's own conti
 the drafter learns the distribution it will be verified against.
 
 Built-in offline sources (on every machine): `stdlib` — docstrings of the Python standard
-library turned into code-writing prompts. Held out on purpose: HumanEval and the WritingBench
+library turned into code-writing prompts (four phrasings); `stdlib-code` — only "complete this
+function" prompts (signature plus full docstring, as a user pastes a stub), the shape of code
+completion requests and of HumanEval, so the drafter sees answers that echo and finish a stub. Held out on purpose: HumanEval and the WritingBench
 prompts used by `dflash-trt bench` never come from these sources.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import re
 from pathlib import Path
 
 from tqdm import tqdm
@@ -103,23 +106,93 @@ def _families(modules: tuple[str, ...]) -> list[list[str]]:
     ]
 
 
-def _stub(name: str, fn, doc: str, owner: str | None = None) -> list[str]:
-    """`def name(signature):` plus its docstring (a class line above methods); [] without a signature."""
+def _stub(name: str, fn, doc: str | None, owner: str | None = None) -> list[str]:
+    """`def name(signature):` plus its docstring (a class line above methods); [] without a signature
+    or docstring."""
+    if not doc:
+        return []
     try:
-        sig = str(inspect.signature(fn))
+        sig = _readable_defaults(str(inspect.signature(fn)))
     except (TypeError, ValueError):
         return []
     body = f'def {name}{sig}:\n    """{doc}"""\n'
     if owner:
-        body = f"class {owner}:\n" + "".join(f"    {line}\n" for line in body.splitlines())
+        body = f"class {owner}:\n" + "".join(f"    {line}\n" if line else "\n" for line in body.splitlines())
     return [body]
 
 
+_REPRS = ((re.compile(r"<(?:function|built-in function|built-in method) ([\w.]+)(?: [^<>]*)?>"), r"\1"),
+          (re.compile(r"<class '(?:[\w]+\.)*(\w+)'>"), r"\1"),
+          (re.compile(r"<function \S+ at 0x[0-9a-f]+>"), "..."))  # lambdas, locals
+
+
+def _readable_defaults(sig: str) -> str:
+    """Default values whose repr is `<... at 0x...>` become their name (or `...`): the stub stays valid
+    Python and the prompt text does not change from one process to the next."""
+    for pattern, repl in _REPRS:
+        sig = pattern.sub(repl, sig)
+    return re.sub(r"<[^<>]*>", "...", sig)
+
+
+CODE_INSTRUCTIONS = (
+    "Finish this Python code; answer with the complete code in a single code block.",
+    "Complete the Python function below and reply with the whole function in a code block.",
+    "Implement the body of this function. Show the full function.",
+    "Write the implementation for the following stub.",
+)
+
+
+def stdlib_code_prompts(limit: int | None = None) -> list[str]:
+    """'Complete this function' prompts: `def name(signature):` plus the docstring (up to 16 lines,
+    examples included) of every documented standard-library function and method of STDLIB_MODULES
+    then MORE_STDLIB_MODULES, each set in a fixed seeded shuffle (so any --limit mixes modules, and
+    the list only ever grows at the end), under one of CODE_INSTRUCTIONS in rotation."""
+    import random
+
+    stubs: list[str] = []
+    seen: set[str] = set()
+    for modules in (STDLIB_MODULES, tuple(m for m in MORE_STDLIB_MODULES if m not in STDLIB_MODULES)):
+        block: list[str] = []
+        for name in modules:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            for fname, fn in sorted(vars(mod).items()):
+                if fname.startswith("_"):
+                    continue
+                if inspect.isfunction(fn):
+                    block += _stub(fname, fn, _doc_lines(fn))
+                elif inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]:
+                    for mname, m in sorted(vars(fn).items()):
+                        if not mname.startswith("_") and inspect.isfunction(m):
+                            block += _stub(mname, m, _doc_lines(m), owner=fname)
+        block = [b for b in block if b not in seen and not seen.add(b)]
+        random.Random(0).shuffle(block)
+        stubs += block
+    out = [f"{CODE_INSTRUCTIONS[i % len(CODE_INSTRUCTIONS)]}\n\n```python\n{stub}```" for i, stub in enumerate(stubs)]
+    return out[:limit] if limit else out
+
+
+def _doc_lines(fn, max_lines: int = 16) -> str | None:
+    doc = inspect.getdoc(fn)
+    if not doc or len(doc) < 40:
+        return None
+    lines = [line.rstrip() for line in doc.strip().replace('"""', "'''").splitlines()]
+    if len(lines) > max_lines:  # cut at a paragraph break, never inside an example
+        breaks = [i for i in range(1, max_lines) if not lines[i]]
+        lines = lines[:breaks[-1] if breaks else max_lines]
+    text = "\n".join(("    " + line) if line else "" for line in lines).lstrip()
+    return text + "\n    " if len(lines) > 1 else text  # closing quotes on their own line (PEP 257)
+
+
 def load_prompts(source: str, limit: int | None = None) -> list[str]:
-    """`stdlib` (training), `humaneval` / `writingbench` (held-out benchmark sets, for eval only), or a
-    .txt file (one prompt per line) or .jsonl file ({"prompt": ...} per line)."""
+    """`stdlib` / `stdlib-code` (training), `humaneval` / `writingbench` (held-out benchmark sets, for
+    eval only), or a .txt file (one prompt per line) or .jsonl file ({"prompt": ...} per line)."""
     if source == "stdlib":
         return stdlib_prompts(limit)
+    if source == "stdlib-code":
+        return stdlib_code_prompts(limit)
     if source in HELD_OUT:
         from dflash_trt.bench.datasets import load_dataset
 
@@ -127,7 +200,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[str]:
     p = Path(source)
     if not p.is_file():
         raise DFlashError(f"prompt source {source!r}: not a file and not a built-in source "
-                          f"(built-in: stdlib; held-out for eval: {', '.join(HELD_OUT)})")
+                          f"(built-in: stdlib, stdlib-code; held-out for eval: {', '.join(HELD_OUT)})")
     prompts = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
