@@ -4,8 +4,8 @@
 #   LIMIT=128 NEW_TOKENS=128 EVAL_LIMIT=4 bash scripts/recipe_qwen_coder.sh ...   # a smaller run
 #   PROMPTS=stdlib bash scripts/recipe_qwen_coder.sh ...   # the older mixed prompt set (mostly prose answers)
 # Every stage is resumable: rerun the script after an interruption and it continues.
-# Measured on the 2-core CI-class CPU (fp32): data generation for 0.5B, 512 prompts x 192 tokens,
-# batch 32: 57 min; offline feature precompute: ~15 min; training (768 steps): 17 min. Results go into
+# Measured on the 2-core CI-class CPU (fp32): data generation for 0.5B, 512 stdlib prompts x 192 tokens,
+# batch 32: 57 min (512 stdlib-code stubs x 160: 44 min); features ~15 min; training (768 steps): 14-17 min. Results go into
 # README's "Training recipe" table when a run completes.
 set -euo pipefail
 TARGET=${1:-qwen2.5-coder-0.5b-instruct}
