@@ -7,8 +7,9 @@ the drafter learns the distribution it will be verified against.
 Built-in offline sources (on every machine): `stdlib` — docstrings of the Python standard
 library turned into code-writing prompts (four phrasings); `stdlib-code` — only "complete this
 function" prompts (signature plus full docstring, as a user pastes a stub), the shape of code
-completion requests and of HumanEval, so the drafter sees answers that echo and finish a stub. Held out on purpose: HumanEval and the WritingBench
-prompts used by `dflash-trt bench` never come from these sources.
+completion requests and of HumanEval, so the drafter sees answers that echo and finish a stub.
+Held out on purpose: HumanEval and the WritingBench prompts used by `dflash-trt bench` never come
+from these sources.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import random
 import re
 from pathlib import Path
 
@@ -69,11 +71,10 @@ def stdlib_prompts(limit: int | None = None) -> list[str]:
     return out[:limit] if limit else out
 
 
-def _families(modules: tuple[str, ...]) -> list[list[str]]:
-    items: list[tuple[str, str, str]] = []  # (kind, qualified name, first docstring paragraph)
-    methods: list[tuple[str, str, str]] = []
-    stubs: list[str] = []  # "def name(signature):" + docstring, for functions then methods
-    method_stubs: list[str] = []
+def _public_members(modules: tuple[str, ...]):
+    """(name, function or class, [(method name, method)]) for the public functions and classes of each
+    importable module, sorted by name; the methods are a class's own public functions, listed only
+    for classes defined in that module's package (not re-exported ones)."""
     for name in modules:
         try:
             mod = importlib.import_module(name)
@@ -82,18 +83,29 @@ def _families(modules: tuple[str, ...]) -> list[list[str]]:
         for fname, fn in sorted(vars(mod).items()):
             if fname.startswith("_") or not (inspect.isfunction(fn) or inspect.isclass(fn)):
                 continue
-            first = _first_paragraph(fn)
-            if first is None:
-                continue
-            items.append(("class" if inspect.isclass(fn) else "function", fname, first))
-            if inspect.isfunction(fn):
-                stubs += _stub(fname, fn, first)
-            if inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]:
-                for mname, m in sorted(vars(fn).items()):
-                    mdoc = None if mname.startswith("_") or not inspect.isfunction(m) else _first_paragraph(m)
-                    if mdoc:
-                        methods.append(("method", f"{fname}.{mname}", mdoc))
-                        method_stubs += _stub(mname, m, mdoc, owner=fname)
+            own = inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]
+            methods = [(m, f) for m, f in sorted(vars(fn).items())
+                       if not m.startswith("_") and inspect.isfunction(f)] if own else []
+            yield fname, fn, methods
+
+
+def _families(modules: tuple[str, ...]) -> list[list[str]]:
+    items: list[tuple[str, str, str]] = []  # (kind, qualified name, first docstring paragraph)
+    methods: list[tuple[str, str, str]] = []
+    stubs: list[str] = []  # "def name(signature):" + docstring, for functions then methods
+    method_stubs: list[str] = []
+    for fname, fn, own_methods in _public_members(modules):
+        first = _first_paragraph(fn)
+        if first is None:
+            continue
+        items.append(("class" if inspect.isclass(fn) else "function", fname, first))
+        if inspect.isfunction(fn):
+            stubs += _stub(fname, fn, first)
+        for mname, m in own_methods:
+            mdoc = _first_paragraph(m)
+            if mdoc:
+                methods.append(("method", f"{fname}.{mname}", mdoc))
+                method_stubs += _stub(mname, m, mdoc, owner=fname)
     return [
         [f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
          for kind, qn, first in items],
@@ -147,26 +159,15 @@ def stdlib_code_prompts(limit: int | None = None) -> list[str]:
     examples included) of every documented standard-library function and method of STDLIB_MODULES
     then MORE_STDLIB_MODULES, each set in a fixed seeded shuffle (so any --limit mixes modules, and
     the list only ever grows at the end), under one of CODE_INSTRUCTIONS in rotation."""
-    import random
-
     stubs: list[str] = []
     seen: set[str] = set()
     for modules in (STDLIB_MODULES, tuple(m for m in MORE_STDLIB_MODULES if m not in STDLIB_MODULES)):
         block: list[str] = []
-        for name in modules:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
-            for fname, fn in sorted(vars(mod).items()):
-                if fname.startswith("_"):
-                    continue
-                if inspect.isfunction(fn):
-                    block += _stub(fname, fn, _doc_lines(fn))
-                elif inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]:
-                    for mname, m in sorted(vars(fn).items()):
-                        if not mname.startswith("_") and inspect.isfunction(m):
-                            block += _stub(mname, m, _doc_lines(m), owner=fname)
+        for fname, fn, own_methods in _public_members(modules):
+            if inspect.isfunction(fn):
+                block += _stub(fname, fn, _doc_lines(fn))
+            for mname, m in own_methods:
+                block += _stub(mname, m, _doc_lines(m), owner=fname)
         block = [b for b in block if b not in seen and not seen.add(b)]
         random.Random(0).shuffle(block)
         stubs += block
