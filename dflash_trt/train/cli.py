@@ -95,7 +95,9 @@ def register(main: click.Group) -> None:
     @main.command("eval")
     @click.option("--target", required=True)
     @click.option("--drafter", "drafter_dir", required=True)
-    @click.option("--prompts", "source", required=True, help="stdlib | FILE.txt | FILE.jsonl (held-out prompts)")
+    @click.option("--prompts", "source", required=True,
+                  help="humaneval | writingbench (held-out benchmark sets), stdlib | stdlib-code (training "
+                       "prompts, to compare), FILE.txt | FILE.jsonl")
     @click.option("--limit", type=int, default=8, show_default=True)
     @click.option("--max-new-tokens", type=int, default=128, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)

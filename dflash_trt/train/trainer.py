@@ -35,6 +35,7 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.objective import (cosine_lr, default_gamma, dflash_loss, make_blocks, sample_anchors,
                                         trainable)
+from dflash_trt.train.precondition import tap_scale, use_tap_scaling
 
 
 @dataclass
@@ -65,6 +66,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"  # target weights dtype (auto: fp32 on CPU, bf16 on GPU)
     val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
+    tap_scaling: bool = True  # train fc on taps / their per-dim RMS (target layers differ 10-100x); folded on save
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -161,6 +163,20 @@ def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.T
     ids = ids.to(target.device)
     no_logits = torch.zeros(len(seqs), 0, dtype=torch.long, device=target.device)  # the LM head is not needed
     return target.forward(ids, target.new_cache(len(seqs), S), tap_layers, logits_at=no_logits).taps
+
+
+def _tap_scale(target, seqs: list[dict], tap_layers: list[int], store: "FeatureStore | None",
+               num: int = 32) -> torch.Tensor:
+    """Per-dimension RMS of the tapped features of the first `num` sequences (see precondition.py),
+    from the offline store when there is one (the bf16 features training sees), else the target."""
+    ids = [s["input_ids"] for s in seqs[:num]]
+    rows = []
+    for i in range(0, len(ids), 4):
+        chunk = ids[i: i + 4]
+        f = store.get(list(range(i, i + len(chunk))), max(map(len, chunk))) if store is not None \
+            else target_taps(target, chunk, tap_layers).to(torch.bfloat16).cpu()  # same statistic either way
+        rows += [f[r, : len(c)] for r, c in enumerate(chunk)]
+    return tap_scale(rows)
 
 
 def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
@@ -271,10 +287,21 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     if (ckpt / "trainer_state.pt").is_file():
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         dcfg.draft_vocab_size = _check_resume(ckpt, state, dcfg, data_fp)  # the checkpoint's head is kept
+    if state is not None and state["config"].get("tap_scaling", False) != cfg.tap_scaling:
+        raise ConfigError(f"tap_scaling={cfg.tap_scaling}: the checkpoint in {ckpt} was trained with "
+                          f"tap_scaling={not cfg.tap_scaling}; keep that setting to resume, or train into a new --out")
+    store = None
+    if cfg.features == "offline":
+        fdir = Path(cfg.features_dir or out / "features")
+        FeatureStore.build(target, [s["input_ids"] for s in seqs], dcfg.target_layer_ids, fdir, cfg.batch_size)
+        store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], dcfg.num_taps * dcfg.hidden_size)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
     if vocab is not None and state is None:
         drafter.draft_vocab.copy_(vocab)
+    if cfg.tap_scaling:  # the scale is kept in the trainer state: a resumed run uses the same one
+        scale = state["tap_scale"] if state is not None else _tap_scale(target, seqs, dcfg.target_layer_ids, store)
+        use_tap_scaling(drafter, scale)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)
@@ -283,13 +310,10 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     step = 0
     if state is not None:  # resume: weights, draft vocabulary, optimizer moments and step
         drafter.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
+        if cfg.tap_scaling:  # the trained parameter itself: unfolding the saved weight would round
+            drafter.fc.weight.data.copy_(state["fc_weight"])
         opt.load_state_dict(state["optimizer"])
         step = int(state["step"])
-    store = None
-    if cfg.features == "offline":
-        fdir = Path(cfg.features_dir or out / "features")
-        FeatureStore.build(target, [s["input_ids"] for s in seqs], dcfg.target_layer_ids, fdir, cfg.batch_size)
-        store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], dcfg.num_taps * dcfg.hidden_size)
     validator = None
     if cfg.val_data:
         validator = Validator(target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id,
@@ -342,8 +366,10 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
                 metrics.write({"step": step, **v})
                 bar.write(f"step {step}: held-out loss {v['val_loss']:.3f}, tau_est {v['val_tau_est']:.2f}, "
                           f"acc@1 {v['val_acc'][0]:.2f} ({v['val_blocks']} blocks)")
+            extra = {"tap_scale": drafter.fc.scale.cpu(), "fc_weight": drafter.fc.weight.detach().cpu().clone()} \
+                if cfg.tap_scaling else {}
             _save_checkpoint(ckpt, drafter, {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg),
-                                             "data_fingerprint": data_fp})
+                                             "data_fingerprint": data_fp, **extra})
     bar.close()
     final = out / "drafter"
     DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)
