@@ -193,10 +193,14 @@ _SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
                  "block_size", "target_layer_ids", "mask_token_id", "draft_vocab_size")
 
 
-def _check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str) -> int | None:
+def _check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str, tap_scaling: bool) -> int | None:
     """The checkpoint's draft vocabulary size, once resuming is known to be possible. A checkpoint of
-    another drafter shape is refused with the fix (it cannot load); one trained on other data or
-    batching continues, but says so (the run is then no longer bit-reproducible)."""
+    another drafter shape or tap scaling is refused with the fix (its weights and optimizer moments
+    live in another space); one trained on other data or batching continues, but says so (the run
+    is then no longer bit-reproducible)."""
+    if state["config"].get("tap_scaling", False) != tap_scaling:
+        raise ConfigError(f"tap_scaling={tap_scaling}: the checkpoint in {ckpt} was trained with "
+                          f"tap_scaling={not tap_scaling}; keep that setting to resume, or train into a new --out")
     old = DrafterConfig.from_json_dict(json.loads((ckpt / "config.json").read_text()))
     differ = [f"{f}: checkpoint {getattr(old, f)} vs now {getattr(dcfg, f)}" for f in _SHAPE_FIELDS
               if f != "draft_vocab_size" and getattr(old, f) != getattr(dcfg, f)]
@@ -286,10 +290,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     state = None
     if (ckpt / "trainer_state.pt").is_file():
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        dcfg.draft_vocab_size = _check_resume(ckpt, state, dcfg, data_fp)  # the checkpoint's head is kept
-    if state is not None and state["config"].get("tap_scaling", False) != cfg.tap_scaling:
-        raise ConfigError(f"tap_scaling={cfg.tap_scaling}: the checkpoint in {ckpt} was trained with "
-                          f"tap_scaling={not cfg.tap_scaling}; keep that setting to resume, or train into a new --out")
+        dcfg.draft_vocab_size = _check_resume(ckpt, state, dcfg, data_fp, cfg.tap_scaling)  # its head is kept
     store = None
     if cfg.features == "offline":
         fdir = Path(cfg.features_dir or out / "features")
