@@ -19,11 +19,20 @@ EVAL_LIMIT=${EVAL_LIMIT:-8}   # held-out HumanEval prompts for eval
 EPOCHS=${EPOCHS:-12}
 LAYERS=${LAYERS:-1}            # drafter depth
 GAMMA=${GAMMA:-3}              # loss decay over block positions: 3 puts a short CPU run on positions 1-3 (paper: 7 for B=16)
+SCORE_LIMIT=${SCORE_LIMIT:-160} # 512-token windows of standard-library source the target scores (teacher-forced; 0: none)
 mkdir -p "$RUN"
+DATA="$RUN/data"
 
 # 1. the target regenerates answers to standard-library prompts (HumanEval stays held out)
 $DFT data generate --target "$TARGET" --prompts "$PROMPTS" --limit "$LIMIT" --max-new-tokens "$NEW_TOKENS" --batch-size 32 \
   --out "$RUN/data"
+
+# 1b. more data, cheaply: the target scores real standard-library source once (its greedy next tokens
+#     become the labels, counted while the text agrees with them); ~3x less CPU per token than step 1
+if [ "$SCORE_LIMIT" -gt 0 ]; then
+  $DFT data score --target "$TARGET" --text stdlib-src --limit "$SCORE_LIMIT" --seq-len 512 --out "$RUN/scored"
+  DATA="$RUN/data,$RUN/scored"
+fi
 
 # 2. held-out validation answers: 32 HumanEval prompts disjoint from the ones eval measures
 python3 "$(dirname "$0")/heldout_split.py" --dataset humaneval --eval-limit "$EVAL_LIMIT" --num 32 --out "$RUN/val_prompts.jsonl"
@@ -32,7 +41,7 @@ $DFT data generate --target "$TARGET" --prompts "$RUN/val_prompts.jsonl" --valid
 
 # 3. train: 1 layer, B=16, offline bf16 features, a 16K-token draft vocabulary (the LM head is most
 #    of a small drafter's FLOPs), tap scaling (default), AdamW 6e-4 cosine; held-out metrics at every save
-$DFT train --target "$TARGET" --data "$RUN/data" --out "$RUN/out" --num-layers "$LAYERS" --block-size 16 \
+$DFT train --target "$TARGET" --data "$DATA" --out "$RUN/out" --num-layers "$LAYERS" --block-size 16 \
   --anchors-per-seq 16 --batch-size 4 --epochs "$EPOCHS" --lr 6e-4 --gamma "$GAMMA" --draft-vocab 16384 \
   --features offline --max-seq-len 512 --save-every 128 --val-data "$RUN/val"
 

@@ -41,7 +41,7 @@ def register(main: click.Group) -> None:
 
     @main.group()
     def data():
-        """Training data: the target regenerates responses to prompts."""
+        """Training data: the target regenerates answers to prompts (generate) or scores existing text (score)."""
 
     @data.command("generate")
     @click.option("--target", required=True, help="Target model name or folder.")
@@ -74,6 +74,31 @@ def register(main: click.Group) -> None:
             Path(out).mkdir(parents=True, exist_ok=True)
             mark_validation(out, source)
         click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
+
+    @data.command("score")
+    @click.option("--target", required=True, help="Target model name or folder.")
+    @click.option("--text", "source", required=True,
+                  help="stdlib-src (the Python standard library's source) | FILE (.py/.txt/.md/.rst) | FILE.jsonl "
+                       "({\"text\": ...} per line) | FOLDER (its text files)")
+    @click.option("--out", required=True, help="Output folder of data-*.jsonl shards (for `train --data`).")
+    @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per sequence (text window).")
+    @click.option("--limit", type=int, default=None, help="Use at most this many windows.")
+    @click.option("--batch-size", type=int, default=4, show_default=True)
+    @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
+    @friendly_errors
+    def data_score(target, source, out, seq_len, limit, batch_size, dtype):
+        """Teacher-forced data: the target scores existing text once (its greedy next token at every
+        position becomes the label); about 3x cheaper per token than regenerating answers."""
+        from dflash_trt.pipeline import load_target, load_tokenizer
+        from dflash_trt.train.corpus import agreement, load_texts, score_corpus
+        from dflash_trt.train.data import read_sequences
+
+        texts = load_texts(source)
+        tgt, path = load_target(target, dtype)
+        folder = score_corpus(tgt, load_tokenizer(path), texts, out, seq_len, limit, batch_size)
+        seqs = read_sequences(folder)
+        click.echo(f"{folder}: {len(seqs)} sequences, {sum(len(s['input_ids']) for s in seqs)} tokens; the text "
+                   f"agrees with the target's greedy prediction at {agreement(seqs):.0%} of tokens")
 
     @main.command("train")
     @click.option("--config", "config_path", default=None, help="YAML file mirroring TrainConfig.")

@@ -1,7 +1,8 @@
 """Training data: prompt sources, target-regenerated responses, sharded jsonl on disk.
 
 Boundary: text prompts in, token sequences out ({"input_ids": [...], "prompt_len": P} per line;
-the loss mask is "position >= prompt_len"). Responses are the target's own continuations, so
+the loss mask is "position >= prompt_len"; lines made from existing text by corpus.py also carry
+"target_next", the target's greedy next tokens, which then serve as the labels). Responses are the target's own continuations, so
 the drafter learns the distribution it will be verified against.
 
 Built-in offline sources (on every machine): `stdlib` — docstrings of the Python standard
@@ -237,7 +238,14 @@ def read_sequences(data_dir: str | Path) -> list[dict]:
                 raise DFlashError(f"{shard}:{i}: malformed line; expected {{\"input_ids\": [...], \"prompt_len\": N}}") from None
             if not 0 < P <= len(ids):
                 raise DFlashError(f"{shard}:{i}: prompt_len={P} outside 1..{len(ids)}")
-            seqs.append({"input_ids": ids, "prompt_len": P})
+            seq = {"input_ids": ids, "prompt_len": P}
+            if "target_next" in obj:  # teacher-forced text (corpus.py): the target's greedy next tokens
+                nxt = obj["target_next"]
+                if not isinstance(nxt, list) or len(nxt) != len(ids):
+                    raise DFlashError(f"{shard}:{i}: target_next must list one token per input_ids entry "
+                                      f"({len(ids)}); remake the shard with `dflash-trt data score`")
+                seq["target_next"] = [int(t) for t in nxt]
+            seqs.append(seq)
     if not seqs:
         raise DFlashError(f"training data {d}: shards are empty")
     return seqs

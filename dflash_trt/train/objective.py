@@ -74,18 +74,31 @@ class BlockBatch:
     positions: torch.Tensor  # [N, J, B] absolute positions
     anchors: torch.Tensor  # [N, J]
     valid: torch.Tensor  # [N, J]
+    label_mask: torch.Tensor | None = None  # [N, J, B-1] bool: which labels count (None: all)
 
 
 def make_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                mask_token_id: int) -> BlockBatch:
-    """input_ids [N, S] (padded), anchors/valid [N, J] -> the blocks and their labels."""
+                mask_token_id: int, target_next: torch.Tensor | None = None) -> BlockBatch:
+    """input_ids [N, S] (padded), anchors/valid [N, J] -> the blocks and their labels.
+
+    Without target_next the labels are the sequence's own next tokens (the target's regenerated
+    answers). With target_next [N, S] (the target's greedy token after each position, for text the
+    target did not write, see corpus.py) the label of block position k is target_next[a+k-1], and
+    it counts only while the text agrees with greedy decoding: label_mask[k] = all of
+    x_{a+j} == target_next[a+j-1] for j = 1..k-1 (position 1 always counts)."""
     B = block_size
     pos = anchors[..., None] + torch.arange(B, device=anchors.device)  # [N, J, B]
     pos = torch.where(valid[..., None], pos, torch.zeros_like(pos))
     toks = input_ids.gather(1, pos.flatten(1)).view_as(pos)
     block = torch.full_like(toks, mask_token_id)
     block[..., 0] = toks[..., 0]
-    return BlockBatch(block, toks[..., 1:], pos, anchors, valid)
+    if target_next is None:
+        return BlockBatch(block, toks[..., 1:], pos, anchors, valid)
+    nxt = target_next.gather(1, pos.flatten(1)).view_as(pos)[..., :-1]  # [N, J, B-1]: label of position k
+    agree = toks[..., 1:-1] == nxt[..., :-1]  # [N, J, B-2]: x_{a+j} is the greedy token, j = 1..B-2
+    ones = torch.ones_like(agree[..., :1])
+    label_mask = torch.cat([ones, agree], -1).long().cumprod(-1).bool()
+    return BlockBatch(block, nxt, pos, anchors, valid, label_mask)
 
 
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, S: int, B: int) -> torch.Tensor:
@@ -148,11 +161,15 @@ def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, 
                          ignore_index=-100).view_as(labels)
     vmask = blocks.valid.float()
     n = vmask.sum().clamp_min(1.0)
-    loss = ((ce * w).sum(-1) / w.sum() * vmask).sum() / n
+    lmask = vmask[..., None].expand_as(ce)  # [N, J, B-1]
+    if blocks.label_mask is not None:  # unlabeled positions add nothing; the per-block scale stays w.sum()
+        lmask = lmask * blocks.label_mask.float()
+    loss = ((ce * w * lmask).sum(-1) / w.sum()).sum() / n
     with torch.no_grad():
-        correct = (logits.argmax(-1) == labels).float()  # [N, J, B-1]
-        acc = (correct * vmask[..., None]).sum((0, 1)) / n
-        accepted = (correct.cumprod(-1).sum(-1) * vmask).sum() / n
+        correct = (logits.argmax(-1) == labels).float() * lmask  # [N, J, B-1]
+        acc = correct.sum((0, 1)) / lmask.sum((0, 1)).clamp_min(1.0)
+        # an unlabeled position ends the accepted prefix: tau_est is then a lower bound
+        accepted = correct.cumprod(-1).sum(-1).sum() / n
     return LossOutput(loss, acc, accepted, int(vmask.sum().item()))
 
 

@@ -41,7 +41,7 @@ from dflash_trt.train.precondition import tap_scale, use_tap_scaling
 @dataclass
 class TrainConfig:
     target: str = ""  # target model: known name or HF folder
-    data: str = ""  # folder of data-*.jsonl shards (dflash-trt data generate)
+    data: str = ""  # folder(s) of data-*.jsonl shards (data generate / data score), comma-separated to mix
     out: str = ""  # output folder (checkpoint/ and drafter/)
     num_layers: int = 1  # drafter decoder layers
     block_size: int = 16
@@ -179,11 +179,26 @@ def _tap_scale(target, seqs: list[dict], tap_layers: list[int], store: "FeatureS
     return tap_scale(rows)
 
 
+def next_tokens(batch: list[dict], S: int, device) -> torch.Tensor | None:
+    """target_next [N, S] for make_blocks when any sequence of the batch is teacher-forced text
+    (corpus.py); a regenerated sequence's next tokens are its own (every label then counts). None
+    when the whole batch is regenerated answers."""
+    if not any("target_next" in s for s in batch):
+        return None
+    nxt = torch.zeros(len(batch), S, dtype=torch.long)
+    for r, s in enumerate(batch):
+        row = s.get("target_next") or s["input_ids"][1:] + [0]
+        nxt[r, : len(row)] = torch.tensor(row)
+    return nxt.to(device)
+
+
 def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
-    """Sorted ids of the n most frequent response tokens (ties: lower id first) -> [<= n]."""
+    """Sorted ids of the n most frequent label tokens, i.e. response tokens or, for teacher-forced
+    text, the target's greedy predictions (ties: lower id first) -> [<= n]."""
     counts: dict[int, int] = {}
     for s in seqs:
-        for t in s["input_ids"][s["prompt_len"]:]:
+        labels = s["target_next"][s["prompt_len"] - 1:] if "target_next" in s else s["input_ids"][s["prompt_len"]:]
+        for t in labels:
             counts[t] = counts.get(t, 0) + 1
     top = sorted(counts, key=lambda t: (-counts[t], t))[:n]
     return torch.tensor(sorted(top), dtype=torch.long)
@@ -262,23 +277,29 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
 
     if not cfg.out:
         raise ConfigError("out: give an output folder")
-    if cfg.data and is_validation(cfg.data):
-        raise ConfigError(f"data {cfg.data}: this is a validation set (made with --validation, from held-out "
-                          f"prompts); train on other data and pass it as val_data instead")
-    if cfg.val_data and cfg.data and Path(cfg.val_data).resolve() == Path(cfg.data).resolve():
-        raise ConfigError(f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
-                          f"sequences (dflash-trt data generate --validation)")
+    folders = [f for f in cfg.data.split(",") if f.strip()]
+    for folder in folders:
+        if is_validation(folder):
+            raise ConfigError(f"data {folder}: this is a validation set (made with --validation, from held-out "
+                              f"prompts); train on other data and pass it as val_data instead")
+        if cfg.val_data and Path(cfg.val_data).resolve() == Path(folder).resolve():
+            raise ConfigError(f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
+                              f"sequences (dflash-trt data generate --validation)")
     out = Path(cfg.out)
     if target is None:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
         target, _ = load_target(cfg.target, cfg.dtype, progress)
-    seqs = [s for s in read_sequences(cfg.data) if trainable(s, cfg.block_size)]
+    if not folders:
+        raise ConfigError("data: give a data folder (dflash-trt data generate / data score)")
+    seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
     if not seqs:
         raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
                           f"generate longer responses or lower block_size")
     for s in seqs:
         s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
+        if "target_next" in s:
+            s["target_next"] = s["target_next"][: cfg.max_seq_len]
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                     target_layer_ids=cfg.target_layer_ids)
     vocab = None
@@ -345,7 +366,8 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
             anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq,
                                             cfg.block_size, gen)
-            blocks = make_blocks(ids, anchors.to(ids.device), valid.to(ids.device), cfg.block_size, dcfg.mask_token_id)
+            blocks = make_blocks(ids, anchors.to(ids.device), valid.to(ids.device), cfg.block_size, dcfg.mask_token_id,
+                                 next_tokens(batch, S, ids.device))
             with autocast:
                 res = dflash_loss(drafter, taps, blocks, gamma)
             (res.loss / cfg.grad_accum).backward()

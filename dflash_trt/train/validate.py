@@ -48,7 +48,7 @@ class Validator:
                  gamma: float, max_seq_len: int, anchors_per_seq: int = 32, max_seqs: int = 64,
                  batch_size: int = 4):
         from dflash_trt.bench.datasets import spread
-        from dflash_trt.train.trainer import target_taps
+        from dflash_trt.train.trainer import next_tokens, target_taps
 
         seqs = [s for s in read_sequences(data_dir) if trainable(s, block_size)]
         if not seqs:
@@ -72,7 +72,8 @@ class Validator:
                 valid[r, : len(a)] = True
             taps = target_taps(target, chunk, tap_layers).to(torch.bfloat16)  # as offline training sees them
             blocks = make_blocks(ids.to(target.device), anchors.to(target.device), valid.to(target.device),
-                                 block_size, mask_token_id)
+                                 block_size, mask_token_id,
+                                 next_tokens(seqs[i: i + batch_size], ids.shape[1], target.device))
             self.batches.append((taps, blocks))
 
     @torch.no_grad()
