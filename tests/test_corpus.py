@@ -13,7 +13,7 @@ from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.engine.drafter import DFlashDrafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.spec.loop import generate, generate_baseline
-from dflash_trt.train.corpus import agreement, chunk_texts, load_texts, score_corpus
+from dflash_trt.train.corpus import agreement, chunk_texts, greedy_next, load_texts, score_corpus
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.objective import dflash_loss, drafter_train_forward, make_blocks, position_weights
 from dflash_trt.train.trainer import TrainConfig, next_tokens, train
@@ -83,6 +83,7 @@ def test_score_corpus_equals_plain_forward_and_resumes(tmp_path):
         ids = torch.tensor([s["input_ids"]])
         ref = t.forward(ids, t.new_cache(1, ids.shape[1])).logits.argmax(-1)[0].tolist()
         assert s["target_next"] == ref
+    assert greedy_next(t, chunks[:3], chunk=16) == [s["target_next"] for s in seqs[:3]]  # LM head in chunks
     first = (out / "data-00001.jsonl").read_text()
     (out / "data-00001.jsonl").write_text(first.splitlines()[0] + "\n")  # an interrupted last shard
     score_corpus(t, SpaceTokenizer(), texts, out, seq_len=64, batch_size=4, shard_size=4, progress=False)
