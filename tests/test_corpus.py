@@ -75,6 +75,10 @@ def test_score_corpus_equals_plain_forward_and_resumes(tmp_path):
     texts = [_text(torch.randint(0, 256, (n,), generator=g).tolist()) for n in (150, 90, 40, 200)]
     chunks = chunk_texts(SpaceTokenizer(), texts, 64)
     assert [len(c) for c in chunks] == [64] * 6  # tails under 64 tokens (and the 40-token text) dropped
+    words = [t.split() for t in texts]
+    starts = [(0, 0), (1, 0), (3, 0), (0, 64), (3, 64), (3, 128)]  # round-robin: window 0 of every text first
+    assert chunks == [[int(w) for w in words[i][a: a + 64]] for i, a in starts]
+    assert chunk_texts(SpaceTokenizer(), texts, 64, limit=2) == chunks[:2]
     out = score_corpus(t, SpaceTokenizer(), texts, tmp_path / "c", seq_len=64, batch_size=4, shard_size=4,
                        progress=False)
     seqs = read_sequences(out)

@@ -78,16 +78,16 @@ def load_texts(source: str) -> list[str]:
 
 def chunk_texts(tokenizer, texts: list[str], seq_len: int, limit: int | None = None) -> list[list[int]]:
     """Each text tokenized and cut into consecutive windows of seq_len tokens (a tail shorter than
-    MIN_CHUNK is dropped); the first `limit` windows, in text order."""
+    MIN_CHUNK is dropped), then taken round-robin (window 0 of every text, then window 1, ...), so
+    that a --limit samples every source rather than the first few long files; the first `limit`."""
     if seq_len < MIN_CHUNK:
         raise DFlashError(f"--seq-len {seq_len}: must be >= {MIN_CHUNK}")
-    chunks: list[list[int]] = []
-    for text in texts:
+    per_text = []
+    for text in tqdm(texts, desc="tokenizing", disable=len(texts) < 100):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        chunks += [ids[i: i + seq_len] for i in range(0, len(ids), seq_len) if len(ids) - i >= MIN_CHUNK]
-        if limit and len(chunks) >= limit:
-            return chunks[:limit]
-    return chunks
+        per_text.append([ids[i: i + seq_len] for i in range(0, len(ids), seq_len) if len(ids) - i >= MIN_CHUNK])
+    chunks = [w[i] for i in range(max(map(len, per_text), default=0)) for w in per_text if i < len(w)]
+    return chunks[:limit] if limit else chunks
 
 
 @torch.no_grad()
