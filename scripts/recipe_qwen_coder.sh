@@ -6,8 +6,8 @@
 #   PROMPTS=stdlib bash scripts/recipe_qwen_coder.sh ...   # the older mixed prompt set (mostly prose answers)
 # Every stage is resumable: rerun the script after an interruption and it continues.
 # The defaults are the CPU run recorded in README ("Training recipe"), 2-core CI-class CPU, fp32, 0.5B:
-# data 44 min (512 stdlib-code stubs x 160 tokens, batch 32), validation answers ~3 min, features 14 min,
-# training 1536 steps ~30 min (27 at the ~1.05 s/step measured alone), eval 7-9 min.
+# data 37-44 min (512 stdlib-code stubs x 160 tokens, batch 32), validation answers ~2 min, scoring 320
+# windows of standard-library source 18 min, features 25 min, training 1664 steps 41 min (~1.5 s/step), eval 7 min.
 set -euo pipefail
 TARGET=${1:-qwen2.5-coder-0.5b-instruct}
 RUN=${2:-${DFLASH_TRT_HOME:-$HOME/.cache/dflash-trt}/runs/$TARGET}
@@ -16,10 +16,10 @@ PROMPTS=${PROMPTS:-stdlib-code} # built-in training prompts: "complete this func
 LIMIT=${LIMIT:-512}            # training prompts
 NEW_TOKENS=${NEW_TOKENS:-160}  # answer tokens the target regenerates per prompt
 EVAL_LIMIT=${EVAL_LIMIT:-8}   # held-out HumanEval prompts for eval
-EPOCHS=${EPOCHS:-12}
+EPOCHS=${EPOCHS:-8}
 LAYERS=${LAYERS:-1}            # drafter depth
 GAMMA=${GAMMA:-3}              # loss decay over block positions: 3 puts a short CPU run on positions 1-3 (paper: 7 for B=16)
-SCORE_LIMIT=${SCORE_LIMIT:-160} # 512-token windows of standard-library source the target scores (teacher-forced; 0: none)
+SCORE_LIMIT=${SCORE_LIMIT:-320} # 512-token windows of standard-library source the target scores (teacher-forced; 0: none)
 mkdir -p "$RUN"
 DATA="$RUN/data"
 
