@@ -28,7 +28,7 @@ $DFT data generate --target "$TARGET" --prompts "$PROMPTS" --limit "$LIMIT" --ma
   --out "$RUN/data"
 
 # 1b. more data, cheaply: the target scores real standard-library source once (its greedy next tokens
-#     become the labels, counted while the text agrees with them); ~3x less CPU per token than step 1
+#     become the labels, counted while the text agrees with them); ~5x the tokens per CPU minute of step 1
 if [ "$SCORE_LIMIT" -gt 0 ]; then
   $DFT data score --target "$TARGET" --text stdlib-src --limit "$SCORE_LIMIT" --seq-len 512 --out "$RUN/scored"
   DATA="$RUN/data,$RUN/scored"

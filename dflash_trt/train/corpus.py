@@ -4,9 +4,9 @@ Boundary: text in (the standard library's own source code, or the user's files),
 data.py's data-*.jsonl layout plus "target_next": the target's greedy next token after every
 position. The trainer turns that into labels and a label mask (objective.make_blocks).
 
-Why: regenerating answers (`data generate`) costs one target decode step per token, about 30
-tokens/s for a 0.5B target on a 2-core CPU; scoring existing text costs a share of one prefill,
-about 3x less per token, over text of any variety and amount. The text is not what the target
+Why: regenerating answers (`data generate`) costs one target decode step per token, about 27
+answer tokens/s for a 0.5B target on a 2-core CPU; scoring existing text costs a share of one
+prefill, about 140 tokens/s there, over text of any variety and amount. The text is not what the target
 would write, so the labels are the target's own greedy predictions, and a block position counts
 only while the text agrees with them: for a block anchored at a, the label of position k is the
 target's argmax after x_{<=a+k-1}, which is the token greedy decoding would produce only when
