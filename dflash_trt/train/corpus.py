@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.train.data import MORE_STDLIB_MODULES, STDLIB_MODULES, _write_shard
+from dflash_trt.train.data import MORE_STDLIB_MODULES, STDLIB_MODULES, fill_shards
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 MIN_CHUNK = 64  # shorter tails of a text are dropped: too little context to anchor blocks in
@@ -95,14 +95,12 @@ def greedy_next(target, seqs: list[list[int]], chunk: int = 128) -> list[list[in
     """The target's argmax after every position of each sequence (right-padded batch; padding is
     causal-invisible) -> one list per sequence, as long as it. The LM head runs on `chunk` positions
     at a time: full fp32 logits of a batch would be N*S*V*4 bytes (1.2 GB for 4 x 512 x 152K)."""
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s)
-    last = target.num_layers - 1  # its output is the final hidden state, before the final norm
-    no_logits = torch.zeros(len(seqs), 0, dtype=torch.long, device=target.device)
-    hidden = target.forward(ids.to(target.device), target.new_cache(len(seqs), S), [last], logits_at=no_logits).taps
-    best = torch.cat([target.logits(hidden[:, i: i + chunk]).argmax(-1).cpu() for i in range(0, S, chunk)], 1)
+    from dflash_trt.train.trainer import target_taps
+
+    # the last layer's output is the final hidden state, before the final norm that logits() applies
+    hidden = target_taps(target, seqs, [target.num_layers - 1])  # [N, S, d]
+    best = torch.cat([target.logits(hidden[:, i: i + chunk]).argmax(-1).cpu()
+                      for i in range(0, hidden.shape[1], chunk)], 1)
     return [best[r, : len(s)].tolist() for r, s in enumerate(seqs)]
 
 
@@ -117,22 +115,13 @@ def score_corpus(target, tokenizer, texts: list[str], out_dir: str | Path, seq_l
         raise DFlashError(f"no text window of >= {MIN_CHUNK} tokens in the source")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    n_shards = (len(chunks) + shard_size - 1) // shard_size
+
+    def score(batch: list[list[int]]) -> list[str]:
+        return [json.dumps({"input_ids": s, "prompt_len": 1, "target_next": nxt})
+                for s, nxt in zip(batch, greedy_next(target, batch))]
+
     bar = tqdm(total=sum(map(len, chunks)), desc="scoring text with the target", unit="tok", disable=not progress)
-    for i in range(n_shards):
-        part = chunks[i * shard_size: (i + 1) * shard_size]
-        shard = out / f"data-{i:05d}.jsonl"
-        lines = [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
-        bar.update(sum(map(len, part[: len(lines)])))
-        if len(lines) >= len(part):
-            continue
-        part = part[len(lines):]
-        for start in range(0, len(part), batch_size):
-            batch = part[start: start + batch_size]
-            lines += [json.dumps({"input_ids": s, "prompt_len": 1, "target_next": nxt})
-                      for s, nxt in zip(batch, greedy_next(target, batch))]
-            bar.update(sum(map(len, batch)))
-        _write_shard(out, i, lines)
+    fill_shards(out, chunks, shard_size, batch_size, score, bar, weight=len)
     bar.close()
     return out
 

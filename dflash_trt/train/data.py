@@ -265,24 +265,35 @@ def generate_data(target, tokenizer, prompts: list[str], out_dir: str | Path, ma
     out.mkdir(parents=True, exist_ok=True)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                             stop_token_ids=stop_ids(tokenizer))
-    n_shards = (len(prompts) + shard_size - 1) // shard_size
+
+    def answer(batch: list[str]) -> list[str]:
+        enc = [encode(tokenizer, p, chat) for p in batch]
+        res = generate_baseline(target, enc, params)
+        return [json.dumps({"input_ids": ids + toks, "prompt_len": len(ids)}) for ids, toks in zip(enc, res.tokens)]
+
     bar = tqdm(total=len(prompts), desc="regenerating responses", disable=not progress)
-    for i in range(n_shards):
-        chunk = prompts[i * shard_size: (i + 1) * shard_size]
-        shard = out / f"data-{i:05d}.jsonl"
-        lines = [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
-        bar.update(min(len(lines), len(chunk)))
-        if len(lines) >= len(chunk):
-            continue
-        chunk = chunk[len(lines):]  # one line per prompt, in prompt order
-        for start in range(0, len(chunk), batch_size):
-            enc = [encode(tokenizer, p, chat) for p in chunk[start: start + batch_size]]
-            res = generate_baseline(target, enc, params)
-            lines += [json.dumps({"input_ids": ids + toks, "prompt_len": len(ids)}) for ids, toks in zip(enc, res.tokens)]
-            bar.update(len(enc))
-        _write_shard(out, i, lines)
+    fill_shards(out, prompts, shard_size, batch_size, answer, bar)
     bar.close()
     return out
+
+
+def fill_shards(out: Path, items: list, shard_size: int, batch_size: int, produce, bar, weight=lambda item: 1) -> None:
+    """Resumable sharded output of `data generate` and `data score`: one line per item, in order, to
+    out/data-NNNNN.jsonl, shard_size per shard; produce(batch of items) -> their lines. Shards already
+    written (atomically) are kept and their items skipped; a shorter last shard (the item list grew
+    at the end since) is extended with the new items only. The bar advances by weight(item)."""
+    for i in range((len(items) + shard_size - 1) // shard_size):
+        part = items[i * shard_size: (i + 1) * shard_size]
+        shard = out / f"data-{i:05d}.jsonl"
+        lines = [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
+        bar.update(sum(map(weight, part[: len(lines)])))
+        if len(lines) >= len(part):
+            continue
+        for start in range(len(lines), len(part), batch_size):
+            batch = part[start: start + batch_size]
+            lines += produce(batch)
+            bar.update(sum(map(weight, batch)))
+        _write_shard(out, i, lines)
 
 
 def _write_shard(out: Path, index: int, lines: list[str]) -> None:

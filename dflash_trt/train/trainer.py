@@ -278,6 +278,8 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     if not cfg.out:
         raise ConfigError("out: give an output folder")
     folders = [f for f in cfg.data.split(",") if f.strip()]
+    if not folders:
+        raise ConfigError("data: give a data folder (dflash-trt data generate / data score)")
     for folder in folders:
         if is_validation(folder):
             raise ConfigError(f"data {folder}: this is a validation set (made with --validation, from held-out "
@@ -290,8 +292,6 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
         target, _ = load_target(cfg.target, cfg.dtype, progress)
-    if not folders:
-        raise ConfigError("data: give a data folder (dflash-trt data generate / data score)")
     seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
     if not seqs:
         raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
