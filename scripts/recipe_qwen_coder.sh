@@ -7,7 +7,7 @@
 # Every stage is resumable: rerun the script after an interruption and it continues.
 # The defaults are the CPU run recorded in README ("Training recipe"), 2-core CI-class CPU, fp32, 0.5B:
 # data 37-44 min (512 stdlib-code stubs x 160 tokens, batch 32), validation answers ~2 min, scoring 320
-# windows of standard-library source 18 min, features 25 min, training 1664 steps 41 min (~1.5 s/step), eval 7 min.
+# windows of standard-library source 19 min, features 25 min, training 1664 steps 41 min (~1.5 s/step), eval 7 min.
 set -euo pipefail
 TARGET=${1:-qwen2.5-coder-0.5b-instruct}
 RUN=${2:-${DFLASH_TRT_HOME:-$HOME/.cache/dflash-trt}/runs/$TARGET}
