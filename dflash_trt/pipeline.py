@@ -19,10 +19,26 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU: CPUs without AVX512-BF16/AMX run bf16 matrix
-    products over several rows (a verify block) as slow emulation, while fp32 GEMMs stay fast."""
+def native_bf16() -> bool:
+    """Whether bf16 matrix products run natively here: any CUDA GPU, or a CPU with AVX512-BF16/AMX
+    (on this project's EPYC CI class, bf16 GEMMs run 2.3x the fp32 rate; AVX2 CPUs emulate them slowly)."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def parse_dtype(name: str, for_training: bool = False) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and float32 on CPU for generation: CPUs without AVX512-BF16/AMX run
+    bf16 products over a verify block as slow emulation, and even native bf16 on CPU rounds a
+    16-token verify pass differently from a 1-token step, so greedy DFlash output would no longer
+    equal the baseline token for token. For training work (data generate/score, features,
+    training) that equality does not matter, so 'auto' is bf16 wherever bf16 GEMMs are native."""
     if name == "auto":
+        if for_training:
+            return torch.bfloat16 if native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if name not in DTYPES:
         raise ConfigError(f"dtype={name!r}: choose auto or one of {', '.join(DTYPES)}")
@@ -41,11 +57,12 @@ def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
     return Path(resolve_model(name_or_dir, fetch=True, progress=progress))
 
 
-def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True):
+def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, for_training: bool = False):
+    """The target engine; for_training: 'auto' dtype as parse_dtype picks it for training work."""
     from dflash_trt.engine.target import TargetModel
 
     path = resolve_target_dir(name_or_dir, progress)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, for_training)
     from dflash_trt.build.simulate import is_quantized_dir, load_quantized_target
 
     if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (CPU simulation)

@@ -332,3 +332,60 @@ def test_tap_scaling_trains_on_scaled_taps_and_saves_a_plain_fc(tmp_path):
     assert torch.allclose(saved, state["fc_weight"] / state["tap_scale"])
     with pytest.raises(ConfigError, match="tap_scaling=False: the checkpoint .* tap_scaling=True"):
         train(TrainConfig(tap_scaling=False, **base), target=t, progress=False)
+
+
+def test_auto_dtype_is_bf16_for_training_work_only_where_native(monkeypatch):
+    """Generation keeps fp32 on CPU (a bf16 verify block rounds differently from a 1-token step, so
+    greedy output would stop matching the baseline); training work takes bf16 where it is native."""
+    from click.testing import CliRunner
+
+    from dflash_trt import pipeline
+    from dflash_trt.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for native in (True, False):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+        assert pipeline.native_bf16() is native
+        assert pipeline.parse_dtype("auto") == torch.float32
+        assert pipeline.parse_dtype("auto", for_training=True) == (torch.bfloat16 if native else torch.float32)
+    assert pipeline.parse_dtype("float32", for_training=True) == torch.float32
+    with pytest.raises(ConfigError, match="dtype='bf17'"):
+        pipeline.parse_dtype("bf17", for_training=True)
+    assert TrainConfig().bf16 is None  # resolved at train time: autocast where bf16 is native
+    out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
+    assert "--bf16 / --no-bf16" in out and "AVX512-BF16" in out
+
+
+def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path):
+    from click.testing import CliRunner
+
+    from conftest import tiny_drafter, tiny_model_dir
+    from dflash_trt.cli import main
+    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.pipeline import encode, load_tokenizer
+
+    tdir = tiny_model_dir(tmp_path / "t")
+    t = TargetModel.from_pretrained(tdir, dtype=torch.float32)
+    tiny_drafter(t, block_size=6, num_layers=1, scale=3.0).save_pretrained(tmp_path / "d")
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    args = ["eval", "--target", str(tdir), "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p.txt"),
+            "--max-new-tokens", "12", "--no-chat"]
+    r = CliRunner().invoke(main, args + ["--block-size", "2,6", "--json-out", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "e.json").read_text())
+    assert [row["block_size"] for row in res["sweep"]] == [2, 6] and res["trained_block_size"] == 6
+    assert res["block_size"] == 2 and res["tau"] == res["sweep"][0]["tau"]
+    assert [len(row["per_position_acceptance"]) for row in res["sweep"]] == [1, 5]
+    assert 1.0 <= res["sweep"][0]["tau"] <= 2.0 and "block 6" in r.output
+    # the block-6 row is what plain generation at the drafter's own block size measures
+    d = DFlashDrafter.from_pretrained(tmp_path / "d", target=t).eval()
+    tok = load_tokenizer(tdir)
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=[tok.eos_token_id])
+    accepted = sum(generate(t, d, [encode(tok, p, False)], params).stats.num_accepted_draft_tokens for p in prompts)
+    steps = sum(generate(t, d, [encode(tok, p, False)], params).stats.num_verify_steps for p in prompts)
+    assert res["sweep"][1]["tau"] == pytest.approx(1 + accepted / steps)
+    r = CliRunner().invoke(main, args + ["--block-size", "8"])
+    assert r.exit_code != 0 and "choose 2..6" in r.output
+    r = CliRunner().invoke(main, args + ["--block-size", "4,x"])
+    assert r.exit_code == 2 and "--block-size" in r.output

@@ -23,8 +23,9 @@ def _options_from_dataclass(cls):
         for f in reversed(dataclasses.fields(cls)):
             t = hints[f.name]
             flag = "--" + f.name.replace("_", "-")
-            text = (helps.get(f.name, "") + f" [default: {f.default}]").strip()
-            if t is bool:
+            shown = "auto" if f.default is None and t == (bool | None) else f.default
+            text = (helps.get(f.name, "") + f" [default: {shown}]").strip()
+            if t is bool or t == (bool | None):
                 fn = click.option(f"{flag}/--no-{f.name.replace('_', '-')}", default=None, help=text)(fn)
             elif "list" in str(t):
                 fn = click.option(flag, default=None, help=f"{text} (comma-separated ints)")(fn)
@@ -54,7 +55,7 @@ def register(main: click.Group) -> None:
     @click.option("--max-new-tokens", type=int, default=256, show_default=True)
     @click.option("--batch-size", type=int, default=8, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)
-    @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
+    @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32")
     @friendly_errors
     def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, validation):
         from dflash_trt.pipeline import load_target, load_tokenizer
@@ -69,7 +70,7 @@ def register(main: click.Group) -> None:
         if not validation and is_validation(out):
             raise DFlashError(f"--out {out}: holds a validation set; add --validation to extend it, or pick another folder")
         prompts = load_prompts(source, limit)
-        tgt, path = load_target(target, dtype)
+        tgt, path = load_target(target, dtype, for_training=True)
         if validation:  # marked before any shard exists, so an interrupted run is never mistaken for training data
             Path(out).mkdir(parents=True, exist_ok=True)
             mark_validation(out, source)
@@ -84,7 +85,7 @@ def register(main: click.Group) -> None:
     @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per sequence (text window).")
     @click.option("--limit", type=int, default=None, help="Use at most this many windows.")
     @click.option("--batch-size", type=int, default=4, show_default=True)
-    @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
+    @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32")
     @friendly_errors
     def data_score(target, source, out, seq_len, limit, batch_size, dtype):
         """Teacher-forced data: the target scores existing text once (its greedy next token at every
@@ -94,7 +95,7 @@ def register(main: click.Group) -> None:
         from dflash_trt.train.data import read_sequences
 
         texts = load_texts(source)
-        tgt, path = load_target(target, dtype)
+        tgt, path = load_target(target, dtype, for_training=True)
         folder = score_corpus(tgt, load_tokenizer(path), texts, out, seq_len, limit, batch_size)
         seqs = read_sequences(folder)
         click.echo(f"{folder}: {len(seqs)} sequences, {sum(len(s['input_ids']) for s in seqs)} tokens; the text "
@@ -126,14 +127,23 @@ def register(main: click.Group) -> None:
     @click.option("--limit", type=int, default=8, show_default=True)
     @click.option("--max-new-tokens", type=int, default=128, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)
-    @click.option("--dtype", default="auto", show_default=True, help="auto: fp32 on CPU, bf16 on GPU")
+    @click.option("--dtype", default="auto", show_default=True,
+                  help="auto: fp32 on CPU (greedy output must equal the baseline's), bf16 on GPU")
+    @click.option("--block-size", "block_sizes", default=None,
+                  help="Comma-separated block sizes to run, e.g. 4,8,16 (default: the drafter's own; at most it).")
     @click.option("--json-out", default=None, help="Also write the results as JSON here.")
     @friendly_errors
-    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, json_out):
+    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, block_sizes, json_out):
         """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
         from dflash_trt.train.evaluate import evaluate, print_eval
 
-        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype)
+        sizes = None
+        if block_sizes:
+            try:
+                sizes = [int(x) for x in block_sizes.split(",") if x.strip()]
+            except ValueError:
+                raise click.BadParameter(f"{block_sizes!r}: give integers such as 4,8,16", param_hint="--block-size")
+        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, block_sizes=sizes)
         print_eval(res)
         if json_out:
             with open(json_out, "w") as f:

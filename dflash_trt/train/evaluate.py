@@ -6,12 +6,19 @@ a time, interleaved (A B A B) so both see the same machine state; greedy outputs
 
 from __future__ import annotations
 
+import dataclasses
+
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import DFlashError
 
 
 def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new_tokens: int = 128,
-             chat: bool = True, dtype: str = "auto", target_model=None) -> dict:
+             chat: bool = True, dtype: str = "auto", target_model=None,
+             block_sizes: list[int] | None = None) -> dict:
+    """DFlash at each of `block_sizes` (default: the drafter's own) against the baseline, per prompt
+    interleaved. A drafter trained at B runs at any smaller block (fewer MASK slots): a CPU, where a
+    verify pass costs more per token than on a GPU, often pays off best at a block well below B.
+    The top-level fields are those of the first block size; "sweep" lists every one."""
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, stop_ids
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts
@@ -22,36 +29,55 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     else:
         tgt, path = target_model
     drafter = load_drafter(tgt, drafter_dir)
+    trained_b = drafter.block_size
+    sizes = list(dict.fromkeys(block_sizes or [trained_b]))
+    for b in sizes:
+        if not 2 <= b <= trained_b:
+            raise DFlashError(f"--block-size {b}: choose 2..{trained_b} (the drafter was trained with block size "
+                              f"{trained_b}; larger blocks have MASK slots it never learned)")
     tok = load_tokenizer(path)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tok))
-    spec, base = GenerationStats(), GenerationStats()
+    spec, base = {b: GenerationStats() for b in sizes}, GenerationStats()
     mismatches = 0
     for p in prompts:
         ids = encode(tok, p, chat)
-        a = generate(tgt, drafter, [ids], params)
-        b = generate_baseline(tgt, [ids], params)
-        mismatches += a.tokens != b.tokens
-        spec.merge(a.stats)
-        base.merge(b.stats)
+        b_out = generate_baseline(tgt, [ids], params)
+        base.merge(b_out.stats)
+        for b in sizes:
+            drafter.config = dataclasses.replace(drafter.config, block_size=b)
+            a = generate(tgt, drafter, [ids], params)
+            mismatches += a.tokens != b_out.tokens
+            spec[b].merge(a.stats)
     if mismatches:
-        raise DFlashError(f"{mismatches} prompt(s) gave different greedy output with DFlash: this is a bug, "
+        raise DFlashError(f"{mismatches} run(s) gave different greedy output with DFlash: this is a bug, "
                           f"please report it with the prompt")
-    return {"num_prompts": len(prompts), "tau": spec.tau, "acceptance_rate": spec.acceptance_rate,
-            "per_position_acceptance": spec.per_position_acceptance, "accept_hist": spec.accept_hist,
-            "dflash_tokens_per_s": spec.decode_tokens_per_s, "baseline_tokens_per_s": base.decode_tokens_per_s,
-            "speedup": spec.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None,
-            "block_size": drafter.block_size}
+
+    def row(b: int) -> dict:
+        st = spec[b]
+        return {"block_size": b, "tau": st.tau, "acceptance_rate": st.acceptance_rate,
+                "per_position_acceptance": st.per_position_acceptance, "accept_hist": st.accept_hist,
+                "dflash_tokens_per_s": st.decode_tokens_per_s,
+                "speedup": st.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None}
+
+    rows = [row(b) for b in sizes]
+    return {"num_prompts": len(prompts), **rows[0], "baseline_tokens_per_s": base.decode_tokens_per_s,
+            "trained_block_size": trained_b, "sweep": rows}
 
 
 def print_eval(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"DFlash eval on {res['num_prompts']} held-out prompts (block size {res['block_size']})")
-    for col in ("tau", "acceptance", "DFlash tok/s", "baseline tok/s", "speedup"):
+    rows = res.get("sweep") or [res]
+    t = Table(title=f"DFlash eval on {res['num_prompts']} held-out prompts "
+                    f"(drafter trained at block size {res.get('trained_block_size', res['block_size'])})")
+    for col in ("block", "tau", "acceptance", "DFlash tok/s", "baseline tok/s", "speedup"):
         t.add_column(col, justify="right")
-    sp = f"{res['speedup']:.2f}x" if res["speedup"] else "n/a"
-    t.add_row(f"{res['tau']:.2f}", f"{res['acceptance_rate']:.2f}", f"{res['dflash_tokens_per_s']:.1f}",
-              f"{res['baseline_tokens_per_s']:.1f}", sp)
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
+        t.add_row(str(r["block_size"]), f"{r['tau']:.2f}", f"{r['acceptance_rate']:.2f}",
+                  f"{r['dflash_tokens_per_s']:.1f}", f"{res['baseline_tokens_per_s']:.1f}", sp)
     Console().print(t)
-    Console().print("per-position acceptance: " + " ".join(f"{p:.2f}" for p in res["per_position_acceptance"]))
+    for r in rows:
+        Console().print(f"per-position acceptance (block {r['block_size']}): "
+                        + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))

@@ -57,14 +57,14 @@ class TrainConfig:
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1
     max_seq_len: int = 1024  # longer sequences are truncated
-    bf16: bool = False  # bf16 autocast, fp32 master weights (for GPUs: AVX2 CPUs emulate bf16 GEMMs slowly)
+    bf16: bool | None = None  # bf16 autocast, fp32 master weights; default: where bf16 GEMMs are native (GPU, AVX512-BF16/AMX CPU)
     features: str = "online"  # online: target forward per step; offline: precomputed once to disk
     features_dir: str | None = None  # offline features location (default OUT/features)
     draft_vocab: int = 0  # 0: full vocabulary; N: the head covers the N most frequent response tokens (faster)
     save_every: int = 200
     log_every: int = 10
     seed: int = 0
-    dtype: str = "auto"  # target weights dtype (auto: fp32 on CPU, bf16 on GPU)
+    dtype: str = "auto"  # target weights dtype (auto: bf16 where bf16 GEMMs are native, else fp32)
     val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
     tap_scaling: bool = True  # train fc on taps / their per-dim RMS (target layers differ 10-100x); folded on save
 
@@ -272,7 +272,7 @@ def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
 
 def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
-    from dflash_trt.pipeline import load_target
+    from dflash_trt.pipeline import load_target, native_bf16
     from dflash_trt.train.validate import Validator, is_validation
 
     if not cfg.out:
@@ -291,7 +291,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     if target is None:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
-        target, _ = load_target(cfg.target, cfg.dtype, progress)
+        target, _ = load_target(cfg.target, cfg.dtype, progress, for_training=True)
     seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
     if not seqs:
         raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
@@ -341,7 +341,8 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         validator = Validator(target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id,
                               gamma, cfg.max_seq_len)
     metrics = _MetricsLog(out / "metrics.jsonl", step)
-    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+    use_bf16 = native_bf16() if cfg.bf16 is None else cfg.bf16
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress)
     t0, seen = time.perf_counter(), 0
     while step < stop_at:
