@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import ConfigError, DFlashError
 
 
 def friendly_errors(fn):
@@ -24,6 +24,16 @@ def friendly_errors(fn):
             sys.exit(2)
 
     return wrapper
+
+
+def parse_ints(value: str | None, flag: str) -> list[int]:
+    """A comma-separated integer option ("4,8,16") -> [4, 8, 16]; [] when not given."""
+    if not value:
+        return []
+    try:
+        return [int(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected comma-separated integers, e.g. 4,8,16") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -75,8 +75,8 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
     """The drafter for `target`: from a checkpoint folder, or freshly initialised (random_init)."""
     from dflash_trt.engine.drafter import DFlashDrafter
 
-    if block_size is not None and block_size < 2:
-        raise ConfigError(f"--block-size {block_size}: must be >= 2 (the last token plus at least one draft)")
+    if block_size is not None:
+        check_block_size(block_size)
     from dflash_trt.build.simulate import is_quantized_dir, load_quantized_drafter
 
     if drafter_dir:
@@ -95,9 +95,22 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
         raise DFlashError("no drafter given: pass --drafter DIR (a DFlash checkpoint folder). Get one with "
                           "`dflash-trt train` (see README, 'Train a drafter'), or add --random-drafter to check the "
                           "pipeline with an untrained drafter (output stays exact, speedup will be below 1)")
-    if block_size is not None and block_size != drafter.config.block_size:
-        drafter.config = dataclasses.replace(drafter.config, block_size=block_size)
+    if block_size is not None:
+        set_block_size(drafter, block_size)
     return drafter.eval()
+
+
+def check_block_size(block_size: int) -> None:
+    if block_size < 2:
+        raise ConfigError(f"--block-size {block_size}: must be >= 2 (the last token plus at least one draft)")
+
+
+def set_block_size(drafter, block_size: int) -> None:
+    """Run `drafter` at another block size than its checkpoint's (more or fewer MASK slots): the
+    weights do not depend on it, only the block the loop builds does."""
+    check_block_size(block_size)
+    if block_size != drafter.config.block_size:
+        drafter.config = dataclasses.replace(drafter.config, block_size=block_size)
 
 
 def load_tokenizer(target_dir: Path):

@@ -9,17 +9,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_trt.cli import friendly_errors
-from dflash_trt.errors import ConfigError
-
-
-def _ints(value: str | None, flag: str) -> list[int]:
-    if not value:
-        return []
-    try:
-        return [int(v) for v in value.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r}: expected comma-separated integers, e.g. 4,8,16") from None
+from dflash_trt.cli import friendly_errors, parse_ints
 
 
 def _names(value: str) -> list[str]:
@@ -78,9 +68,9 @@ def bench(target, drafter, random_drafter, assistant, datasets, num_prompts, max
                       max_prompt_tokens=max_prompt_tokens, chat=chat, temperature=temperature, seed=seed,
                       methods=_names(methods), block_size=block_size, out_dir=out_dir, dtype=dtype, device=device,
                       warmup=warmup, prompt_lookup_tokens=prompt_lookup_tokens, triton_url=triton_url,
-                      sweep_block_sizes=_ints(sweep_block_sizes, "--sweep-block-sizes"),
-                      sweep_prompt_lengths=_ints(sweep_prompt_lengths, "--sweep-prompt-lengths"),
-                      sweep_concurrency=_ints(sweep_concurrency, "--sweep-concurrency"), plots=plots)
+                      sweep_block_sizes=parse_ints(sweep_block_sizes, "--sweep-block-sizes"),
+                      sweep_prompt_lengths=parse_ints(sweep_prompt_lengths, "--sweep-prompt-lengths"),
+                      sweep_concurrency=parse_ints(sweep_concurrency, "--sweep-concurrency"), plots=plots)
     say = (lambda msg: click.echo(msg, err=True))
     run_bench(cfg, say=say, progress=not quiet)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli import friendly_errors, parse_ints
 
 
 def _options_from_dataclass(cls):
@@ -111,7 +111,7 @@ def register(main: click.Group) -> None:
         from dflash_trt.train.trainer import train
 
         if overrides.get("target_layer_ids"):
-            overrides["target_layer_ids"] = [int(x) for x in overrides["target_layer_ids"].split(",")]
+            overrides["target_layer_ids"] = parse_ints(overrides["target_layer_ids"], "--target-layer-ids")
         if config_path:
             cfg = load_yaml_dataclass(TrainConfig, config_path, overrides)
         else:
@@ -137,13 +137,8 @@ def register(main: click.Group) -> None:
         """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
         from dflash_trt.train.evaluate import evaluate, print_eval
 
-        sizes = None
-        if block_sizes:
-            try:
-                sizes = [int(x) for x in block_sizes.split(",") if x.strip()]
-            except ValueError:
-                raise click.BadParameter(f"{block_sizes!r}: give integers such as 4,8,16", param_hint="--block-size")
-        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, block_sizes=sizes)
+        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype,
+                       block_sizes=parse_ints(block_sizes, "--block-size") or None)
         print_eval(res)
         if json_out:
             with open(json_out, "w") as f:

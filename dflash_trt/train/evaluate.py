@@ -6,8 +6,6 @@ a time, interleaved (A B A B) so both see the same machine state; greedy outputs
 
 from __future__ import annotations
 
-import dataclasses
-
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import DFlashError
 
@@ -19,7 +17,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     interleaved. A drafter trained at B runs at any smaller block (fewer MASK slots): a CPU, where a
     verify pass costs more per token than on a GPU, often pays off best at a block well below B.
     The top-level fields are those of the first block size; "sweep" lists every one."""
-    from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, stop_ids
+    from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts
 
@@ -44,7 +42,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
         b_out = generate_baseline(tgt, [ids], params)
         base.merge(b_out.stats)
         for b in sizes:
-            drafter.config = dataclasses.replace(drafter.config, block_size=b)
+            set_block_size(drafter, b)
             a = generate(tgt, drafter, [ids], params)
             mismatches += a.tokens != b_out.tokens
             spec[b].merge(a.stats)
