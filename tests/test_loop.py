@@ -50,6 +50,21 @@ def test_stop_token_ends_row_and_is_included():
     assert generate_baseline(t, prompt, params).tokens[0] == ref[: first + 1]
 
 
+def test_baseline_rows_leaving_the_batch_match_rows_run_alone():
+    """generate_baseline drops finished rows from the batch; the others must not notice (greedy and
+    seeded sampling: row r's generator is seeded seed + r whatever happens to its neighbours)."""
+    t = tiny_target("qwen3")
+    prompts = PROMPTS[3]  # 3, 11 and 1 tokens: with max_seq_len 25 the rows hit the cap at different steps
+    solo = generate_baseline(t, prompts[0:1], SamplingParams(max_new_tokens=30, ignore_eos=True)).tokens[0]
+    for temp, stops in ((0.0, (solo[6],)), (0.9, ())):
+        p = SamplingParams(temperature=temp, max_new_tokens=30, stop_token_ids=stops, seed=5, ignore_eos=True)
+        out = generate_baseline(t, prompts, p, max_seq_len=25)
+        assert len({len(x) for x in out.tokens}) == 3, "the test needs rows that leave at different steps"
+        for r, prompt in enumerate(prompts):
+            alone = generate_baseline(t, [prompt], SamplingParams(**{**p.__dict__, "seed": p.seed + r}), max_seq_len=25)
+            assert out.tokens[r] == alone.tokens[0] and out.finish_reasons[r] == alone.finish_reasons[0]
+
+
 def test_continuous_batching_join_and_cancel():
     t = tiny_target("llama")
     d = tiny_drafter(t, block_size=4)

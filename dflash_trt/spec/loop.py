@@ -147,36 +147,39 @@ def generate_baseline(target, input_ids, params: SamplingParams | None = None,
         g.manual_seed(params.seed + r) if params.seed is not None else g.seed()
         gens.append(g)
 
-    def pick(logits):  # [R, V] -> [R]
+    def pick(logits, rows):  # [A, V], A active rows (their indices into the batch) -> [A]
         if params.greedy:
             return logits.argmax(-1)
         probs = warp_logits(logits, params)
-        return torch.stack([sample_tokens(probs[r], gens[r]) for r in range(R)])
+        return torch.stack([sample_tokens(probs[a], gens[r]) for a, r in enumerate(rows)])
 
     t0 = time.perf_counter()
     cache = target.new_cache(R, cap)
     out = target.prefill(prompts, cache)
-    tok = pick(out.logits[:, 0])
+    active = list(range(R))
+    tok = pick(out.logits[:, 0], active)
     prefill_time = time.perf_counter() - t0
     tokens = [[t] for t in tok.tolist()]
     reasons: list[str | None] = [None] * R
     steps = 0
     while True:
-        for r in range(R):
-            if reasons[r] is None:
-                if tokens[r][-1] in stops:
-                    reasons[r] = "stop"
-                elif len(tokens[r]) >= params.max_new_tokens or len(prompts[r]) + len(tokens[r]) >= cap:
-                    reasons[r] = "length"
-        if all(reasons):
+        for r in active:
+            if tokens[r][-1] in stops:
+                reasons[r] = "stop"
+            elif len(tokens[r]) >= params.max_new_tokens or len(prompts[r]) + len(tokens[r]) >= cap:
+                reasons[r] = "length"
+        keep = [a for a, r in enumerate(active) if reasons[r] is None]
+        if not keep:
             break
-        # finished rows keep stepping (their tokens are discarded) so the batch stays rectangular
+        if len(keep) < len(active):  # finished rows leave the batch: no compute spent on discarded tokens
+            idx = torch.tensor(keep, device=tok.device)
+            cache.select_rows(idx)
+            tok, active = tok[idx], [active[a] for a in keep]
         out = target.forward(tok[:, None], cache)
-        tok = pick(out.logits[:, -1])
+        tok = pick(out.logits[:, -1], active)
         steps += 1
-        for r, t in enumerate(tok.tolist()):
-            if reasons[r] is None:
-                tokens[r].append(t)
+        for r, t in zip(active, tok.tolist()):
+            tokens[r].append(t)
     wall = time.perf_counter() - t0
     stats = GenerationStats(num_prompt_tokens=sum(map(len, prompts)), num_output_tokens=sum(map(len, tokens)),
                             num_verify_steps=steps, prefill_time=prefill_time, verify_time=wall - prefill_time,
