@@ -65,6 +65,7 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]
 
 
 def run_quickstart(cfg: QuickstartConfig) -> dict:
+    from dflash_trt.contention import CpuWatch
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, stop_ids
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
 
@@ -76,19 +77,22 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids(tok))
     generate(target, drafter, [ids], SamplingParams(max_new_tokens=4))  # warm-up
     spec, base = GenerationStats(), GenerationStats()
-    for _ in range(cfg.repeats):  # interleaved A B A B: both see the same machine state
-        a = generate(target, drafter, [ids], params)
-        b = generate_baseline(target, [ids], params)
-        spec.merge(a.stats)
-        base.merge(b.stats)
+    with CpuWatch() as watch:
+        for _ in range(cfg.repeats):  # interleaved A B A B: both see the same machine state
+            a = generate(target, drafter, [ids], params)
+            b = generate_baseline(target, [ids], params)
+            spec.merge(a.stats)
+            base.merge(b.stats)
     return {"answer": tok.decode(a.tokens[0], skip_special_tokens=True), "identical": a.tokens == b.tokens,
             "tau": spec.tau, "block_size": drafter.block_size, "dflash_tok_s": spec.decode_tokens_per_s,
             "baseline_tok_s": base.decode_tokens_per_s, "dtype": str(target.dtype).replace("torch.", ""),
             "speedup": spec.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0,
-            "per_position_acceptance": spec.per_position_acceptance, "drafter": source}
+            "per_position_acceptance": spec.per_position_acceptance, "drafter": source,
+            "other_cpu_share": watch.others_share}
 
 
 def print_quickstart(res: dict, cfg: QuickstartConfig) -> None:
+    from dflash_trt.contention import contention_warning
     from rich.console import Console
     from rich.table import Table
 
@@ -103,3 +107,5 @@ def print_quickstart(res: dict, cfg: QuickstartConfig) -> None:
     t.add_row(f"{res['tau']:.2f} / {res['block_size']}", f"{res['dflash_tok_s']:.1f}", f"{res['baseline_tok_s']:.1f}",
               f"{res['speedup']:.2f}x", "yes" if res["identical"] else "NO")
     con.print(t)
+    if warn := contention_warning(res.get("other_cpu_share")):
+        con.print(warn, style="bold yellow", markup=False, highlight=False)

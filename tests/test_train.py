@@ -356,7 +356,7 @@ def test_auto_dtype_is_bf16_for_training_work_only_where_native(monkeypatch):
     assert "--bf16 / --no-bf16" in out and "AVX512-BF16" in out
 
 
-def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path):
+def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from conftest import tiny_drafter, tiny_model_dir
@@ -387,5 +387,13 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path):
     assert res["sweep"][1]["tau"] == pytest.approx(1 + accepted / steps)
     r = CliRunner().invoke(main, args + ["--block-size", "8"])
     assert r.exit_code != 0 and "choose 2..6" in r.output
+    # timed on a busy machine: the JSON says how busy and the table is followed by a warning
+    assert 0.0 <= res["other_cpu_share"] <= 1.0
+    from dflash_trt import contention
+    snaps = iter([(0.0, 0.0, 0.0), (1e6, 0.0, 1.0)])  # others used every CPU the whole time
+    monkeypatch.setattr(contention, "_snapshot", lambda: next(snaps))
+    r = CliRunner().invoke(main, args + ["--json-out", str(tmp_path / "busy.json")])
+    assert r.exit_code == 0 and "other processes used 100%" in r.output and "not reliable" in r.output
+    assert json.loads((tmp_path / "busy.json").read_text())["other_cpu_share"] == 1.0
     r = CliRunner().invoke(main, args + ["--block-size", "4,x"])
     assert r.exit_code == 2 and "--block-size" in r.output

@@ -20,6 +20,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     interleaved. A drafter trained at B runs at any smaller block (fewer MASK slots): a CPU, where a
     verify pass costs more per token than on a GPU, often pays off best at a block well below B.
     The top-level fields are those of the first block size; "sweep" lists every one."""
+    from dflash_trt.contention import CpuWatch
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts
@@ -47,15 +48,16 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
         for b in sizes:
             set_block_size(drafter, b)
             generate(tgt, drafter, [ids], short)
-    for p in prompts:
-        ids = encode(tok, p, chat)
-        b_out = generate_baseline(tgt, [ids], params)
-        base.merge(b_out.stats)
-        for b in sizes:
-            set_block_size(drafter, b)
-            a = generate(tgt, drafter, [ids], params)
-            mismatches += a.tokens != b_out.tokens
-            spec[b].merge(a.stats)
+    with CpuWatch() as watch:
+        for p in prompts:
+            ids = encode(tok, p, chat)
+            b_out = generate_baseline(tgt, [ids], params)
+            base.merge(b_out.stats)
+            for b in sizes:
+                set_block_size(drafter, b)
+                a = generate(tgt, drafter, [ids], params)
+                mismatches += a.tokens != b_out.tokens
+                spec[b].merge(a.stats)
     if mismatches:
         raise DFlashError(f"{mismatches} run(s) gave different greedy output with DFlash: this is a bug, "
                           f"please report it with the prompt")
@@ -69,12 +71,14 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
 
     rows = [row(b) for b in sizes]
     return {"num_prompts": len(prompts), **rows[0], "baseline_tokens_per_s": base.decode_tokens_per_s,
-            "trained_block_size": trained_b, "sweep": rows}
+            "trained_block_size": trained_b, "sweep": rows, "other_cpu_share": watch.others_share}
 
 
 def print_eval(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from dflash_trt.contention import contention_warning
 
     rows = res.get("sweep") or [res]
     t = Table(title=f"DFlash eval on {res['num_prompts']} held-out prompts "
@@ -86,6 +90,8 @@ def print_eval(res: dict) -> None:
         t.add_row(str(r["block_size"]), f"{r['tau']:.2f}", f"{r['acceptance_rate']:.2f}",
                   f"{r['dflash_tokens_per_s']:.1f}", f"{res['baseline_tokens_per_s']:.1f}", sp)
     Console().print(t)
+    if warn := contention_warning(res.get("other_cpu_share")):
+        Console().print(warn, style="bold yellow", markup=False, highlight=False)
     for r in rows:
         Console().print(f"per-position acceptance (block {r['block_size']}): "
                         + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
