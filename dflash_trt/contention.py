@@ -1,8 +1,8 @@
 """How much of the machine other processes used while we were timing something.
 
 Boundary: Linux only (/proc/stat); elsewhere `CpuWatch.others_share` is None and nothing is said.
-Used by the in-process timings (quickstart, eval); not by bench's Triton method, whose server is
-another process and would count as "other".
+Used by the timings of quickstart, eval and bench (its main interleaved schedule; no figure when
+the dflash-triton method runs, since the Triton server is another process and would count as "other").
 
 Why: a speedup measured next to another CPU-heavy job is not DFlash's. On a 2-core machine with a
 feature precompute running, the quickstart measured 0.48x instead of 1.30x with the same drafter:

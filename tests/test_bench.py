@@ -79,6 +79,20 @@ def test_bench_end_to_end(setup, tmp_path):
     assert len(saved["per_prompt"]) == 15 and saved["environment"]["device"] == "cpu"
     md = (tmp_path / "bench.md").read_text()
     assert "| prompts | dflash |" in md and "vs baseline" in md
+    assert saved["other_cpu_share"] is None or 0.0 <= saved["other_cpu_share"] <= 1.0  # None off Linux
+
+
+def test_busy_machine_is_reported_and_warned(setup, tmp_path, monkeypatch):
+    from dflash_trt import contention
+
+    snaps = iter([(0.0, 0.0, 0.0), (1e6, 0.0, 1.0)])  # other processes used every CPU while timing
+    monkeypatch.setattr(contention, "_snapshot", lambda: next(snaps))
+    said = []
+    rep = run_bench(config(setup, tmp_path, methods=["baseline", "dflash"], plots=False), say=said.append,
+                    progress=False)
+    assert rep["other_cpu_share"] == 1.0
+    assert json.loads((tmp_path / "bench.json").read_text())["other_cpu_share"] == 1.0
+    assert any("other processes used 100%" in m and "not reliable" in m for m in said)
 
 
 class WrongMethod(HF):

@@ -257,6 +257,7 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
     """Run the benchmark, write bench.json / bench.md / plots into cfg.out_dir, return the report.
     Raises OutputMismatchError (after writing) if a lossless method's greedy output differs."""
     from dflash_trt.bench import report, scaling
+    from dflash_trt.contention import CpuWatch, contention_warning
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -277,14 +278,19 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
         with _quiet_transformers():
             warm_up(methods, [i for ds in items.values() for i in ds], params, ctx, cfg.warmup)
             records = []
-            for ds in items.values():
-                records += run_schedule(methods, ds, params, reference, ctx, mismatches, say=say,
-                                        on_run=lambda r: say(_progress_line(r)) if progress else None)
+            with CpuWatch() as watch:
+                for ds in items.values():
+                    records += run_schedule(methods, ds, params, reference, ctx, mismatches, say=say,
+                                            on_run=lambda r: say(_progress_line(r)) if progress else None)
             sampling = None if params.greedy else report.sample_divergence(ctx, records, reference)
             sweeps = scaling.run_sweeps(ctx, cfg, methods, items, params, records, mismatches, say)
         rep = report.build_report(cfg, ctx, records, list(methods), skipped, reference, mismatches, sampling, sweeps,
                                   lossless={n for n, m in methods.items() if m.lossless})
+        # the Triton server is another process: its work would read as contention, so no figure then
+        rep["other_cpu_share"] = None if "dflash-triton" in methods else watch.others_share
         report.write_outputs(rep, out, plots=cfg.plots, say=say)
+        if warn := contention_warning(rep["other_cpu_share"]):
+            say(warn)
     finally:
         for m in methods.values():
             m.close()
