@@ -22,6 +22,7 @@ EVAL_LIMIT=${EVAL_LIMIT:-8}   # held-out HumanEval prompts for eval
 EPOCHS=${EPOCHS:-8}
 LAYERS=${LAYERS:-1}            # drafter depth
 GAMMA=${GAMMA:-3}              # loss decay over block positions: 3 puts a short CPU run on positions 1-3 (paper: 7 for B=16)
+KD=${KD:-0}                    # soft-label weight (train --kd-weight): 0 hard labels, 1 the target's distributions only
 SCORE_LIMIT=${SCORE_LIMIT:-320} # 512-token windows of standard-library source the target scores (teacher-forced; 0: none)
 mkdir -p "$RUN"
 DATA="$RUN/data"
@@ -46,7 +47,7 @@ $DFT data generate --target "$TARGET" --prompts "$RUN/val_prompts.jsonl" --valid
 #    of a small drafter's FLOPs), tap scaling (default), AdamW 6e-4 cosine; held-out metrics at every save
 $DFT train --target "$TARGET" --data "$DATA" --out "$RUN/out" --num-layers "$LAYERS" --block-size 16 \
   --anchors-per-seq 16 --batch-size 4 --epochs "$EPOCHS" --lr 6e-4 --gamma "$GAMMA" --draft-vocab 16384 \
-  --features offline --max-seq-len 512 --save-every 128 --val-data "$RUN/val"
+  --features offline --max-seq-len 512 --save-every 128 --val-data "$RUN/val" --kd-weight "$KD"
 
 # 4. held-out evaluation: real DFlash generation vs the baseline on HumanEval prompts
 $DFT eval --target "$TARGET" --drafter "$RUN/out/drafter" --prompts humaneval --limit "$EVAL_LIMIT" \

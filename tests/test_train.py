@@ -93,10 +93,11 @@ def test_validation_metrics_logged_and_improving(tmp_path):
         train(TrainConfig(data=str(val), out=str(tmp_path / "o2")), target=t, progress=False)
 
 
-def test_offline_features_equal_online(tmp_path):
+@pytest.mark.parametrize("kd_weight", [0.0, 0.5])
+def test_offline_features_equal_online(tmp_path, kd_weight):
     t = tiny_target("llama")
     data = _write(tmp_path / "data", *_corpus(t, 8, 1, 256, max_new=20))
-    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4)
+    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4, kd_weight=kd_weight)
     on = train(TrainConfig(out=str(tmp_path / "on"), **base), target=t, progress=False)
     off = train(TrainConfig(out=str(tmp_path / "off"), features="offline", **base), target=t, progress=False)
     won, woff = _weights(on), _weights(off)
@@ -104,13 +105,18 @@ def test_offline_features_equal_online(tmp_path):
     # size (fc's saved weight is the trained one divided by the taps' RMS, ~0.03 on this tiny target)
     assert all(torch.allclose(won[k], woff[k], atol=2e-2 * max(1.0, won[k].abs().max().item())) for k in won)
     assert (tmp_path / "off" / "features" / "complete").is_file()
+    taps = len(DrafterConfig.for_target(t.config, block_size=4).target_layer_ids) + (kd_weight > 0)  # + the teacher layer
+    rows = sum(len(s["input_ids"]) for s in read_sequences(data))
+    assert (tmp_path / "off" / "features" / "features.bin").stat().st_size == rows * taps * t.config.hidden_size * 2
 
 
-def test_training_improves_tau_threefold(tmp_path):
+@pytest.mark.parametrize("kd_weight", [0.0, 1.0])
+def test_training_improves_tau_threefold(tmp_path, kd_weight):
     """A drafter trained on the target's own greedy outputs accepts far more than an untrained one,
     on held-out prompts. The tiny random target has its attention outputs scaled by 0.3 so that its
     continuations depend mostly on recent tokens: a distribution a 1-layer drafter can learn in a
-    few hundred CPU steps (a fully random 2-layer target needs far more)."""
+    few hundred CPU steps (a fully random 2-layer target needs far more). kd_weight=1 trains on the
+    target's distributions alone (soft labels): a teacher read one position off would not learn."""
     V, B = 64, 8
     t = tiny_target("qwen3", vocab_size=V)
     with torch.no_grad():
@@ -124,7 +130,7 @@ def test_training_improves_tau_threefold(tmp_path):
     untrained = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=1, block_size=B)).bind(t)
     tau0 = generate(t, untrained, held, params).stats.tau
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "out"), num_layers=1, block_size=B, batch_size=8,
-                      epochs=6, lr=3e-3, bf16=False, anchors_per_seq=16)
+                      epochs=6, lr=3e-3, bf16=False, anchors_per_seq=16, kd_weight=kd_weight)
     trained = DFlashDrafter.from_pretrained(train(cfg, target=t, progress=False), target=t)
     res = generate(t, trained, held, params)
     assert res.tokens == generate_baseline(t, held, params).tokens  # still lossless
@@ -147,6 +153,8 @@ def test_bad_inputs_have_clear_errors(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ConfigError, match="block_size=64 must be smaller than max_seq_len=32"):
         TrainConfig(block_size=64, max_seq_len=32)
+    with pytest.raises(ConfigError, match=r"kd_weight=1.5: must be in \[0, 1\]"):
+        TrainConfig(kd_weight=1.5)
     data = _write(tmp_path / "short", [[1, 2]], [[3, 4, 5]])
     with pytest.raises(ConfigError, match="block_size=4"):
         train(TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, bf16=False), target=t, progress=False)
@@ -397,3 +405,22 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     assert json.loads((tmp_path / "busy.json").read_text())["other_cpu_share"] == 1.0
     r = CliRunner().invoke(main, args + ["--block-size", "4,x"])
     assert r.exit_code == 2 and "--block-size" in r.output
+
+
+def test_soft_label_features_serve_a_hard_label_run(tmp_path):
+    """A hard-label run pointed at a soft-label run's features reuses them (no recompute) and trains
+    exactly as on its own taps-only features."""
+    t = tiny_target("qwen3")
+    data = _write(tmp_path / "data", *_corpus(t, 8, 2, 256, max_new=20))
+    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4,
+                features="offline")
+    train(TrainConfig(out=str(tmp_path / "kd"), kd_weight=0.5, **base), target=t, progress=False)
+    shared = tmp_path / "kd" / "features" / "features.bin"
+    stamp = shared.stat().st_mtime_ns
+    reused = train(TrainConfig(out=str(tmp_path / "a"), features_dir=str(shared.parent), **base), target=t,
+                   progress=False)
+    own = train(TrainConfig(out=str(tmp_path / "b"), **base), target=t, progress=False)
+    assert shared.stat().st_mtime_ns == stamp
+    assert (tmp_path / "b" / "features" / "features.bin").stat().st_size < shared.stat().st_size
+    wa, wb = _weights(reused), _weights(own)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -64,3 +64,55 @@ def test_weighted_loss_by_hand():
 def test_gamma_table():
     assert default_gamma(16) == 7.0 and default_gamma(10) == 5.0 and default_gamma(8) == 4.0
     assert torch.allclose(position_weights(4, 7.0), torch.tensor([1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
+
+
+def test_soft_labels_are_the_targets_distribution_at_the_previous_position():
+    from dflash_trt.train.distill import feature_layers, soft_labels, split_features
+
+    t, d, ids, _ = _setup(B=4)
+    L = t.config.num_hidden_layers
+    layers = feature_layers(d.target_layer_ids, L, kd=True)
+    assert layers == list(d.target_layer_ids) + [L - 1]
+    feats = t.forward(ids, t.new_cache(2, 20), tap_layers=layers).taps
+    taps, teacher = split_features(feats, len(d.target_layer_ids), t.config.hidden_size)
+    assert teacher is not None and taps.shape[-1] == len(d.target_layer_ids) * t.config.hidden_size
+    full = t.forward(ids, t.new_cache(2, 20)).logits  # [2, 20, V]: logits at every position
+    blocks = make_blocks(ids, torch.tensor([[4, 9], [6, 12]]), torch.ones(2, 2, dtype=torch.bool), 4, d.mask_token_id)
+    vocab = torch.tensor([1, 5, 17, 40, 200])
+    for dv in (None, vocab):
+        p = soft_labels(t, teacher, blocks.positions, dv)
+        for r, j, k in [(0, 0, 1), (0, 1, 3), (1, 1, 2)]:
+            a = int(blocks.anchors[r, j])
+            ref = full[r, a + k - 1] if dv is None else full[r, a + k - 1, dv]
+            torch.testing.assert_close(p[r, j, k - 1], ref.softmax(-1), atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        greedy = full.argmax(-1)
+    # the teacher's argmax at position k is the target's greedy token after x_{..a+k-1}
+    assert torch.equal(soft_labels(t, teacher, blocks.positions, None).argmax(-1)[0, 0],
+                       greedy[0, 4:7])
+
+
+def test_soft_label_loss_by_hand():
+    t, d, ids, taps = _setup(B=4)
+    anchors, valid = torch.tensor([[4, 9], [6, 0]]), torch.tensor([[True, True], [True, False]])
+    blocks = make_blocks(ids, anchors, valid, 4, d.mask_token_id)
+    V = t.config.vocab_size
+    soft = torch.distributions.Dirichlet(torch.ones(V)).sample((2, 2, 3))  # [N, J, B-1, V]
+    a = 0.3
+    out = dflash_loss(d, taps, blocks, gamma=7.0, soft=soft, kd_weight=a)
+    hidden = drafter_train_forward(d, taps, blocks)
+    total, n = 0.0, 0
+    for r, j in [(0, 0), (0, 1), (1, 0)]:
+        logp = t.lm_head(hidden[r, j, 1:]).float().log_softmax(-1)
+        num = 0.0
+        for k in range(1, 4):
+            hard = -logp[k - 1, blocks.labels[r, j, k - 1]].item()
+            sft = -(soft[r, j, k - 1] * logp[k - 1]).sum().item()
+            num += math.exp(-(k - 1) / 7.0) * ((1 - a) * hard + a * sft)
+        total += num / sum(math.exp(-(k - 1) / 7.0) for k in range(1, 4))
+        n += 1
+    assert math.isclose(out.loss.item(), total / n, rel_tol=1e-5)
+    # one-hot soft labels at full weight are the hard loss
+    onehot = F.one_hot(blocks.labels, V).float()
+    hard = dflash_loss(d, taps, blocks, gamma=7.0)
+    assert math.isclose(dflash_loss(d, taps, blocks, 7.0, onehot, 1.0).loss.item(), hard.loss.item(), rel_tol=1e-5)

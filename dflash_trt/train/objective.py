@@ -146,8 +146,13 @@ class LossOutput:
     num_blocks: int
 
 
-def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, gamma: float) -> LossOutput:
-    """Cross-entropy on block positions 1..B-1 weighted exp(-(k-1)/gamma), averaged over valid blocks."""
+def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, gamma: float,
+                soft: torch.Tensor | None = None, kd_weight: float = 0.0) -> LossOutput:
+    """Cross-entropy on block positions 1..B-1 weighted exp(-(k-1)/gamma), averaged over valid blocks.
+
+    With soft [N, J, B-1, Vd] (teacher probabilities, distill.soft_labels) and kd_weight a, each
+    position's term is (1 - a) * CE(hard label) + a * CE(soft label); a hard label outside the
+    draft vocabulary then still has its soft term. Accuracy and tau_est always use hard labels."""
     hidden = drafter_train_forward(drafter, taps, blocks)[:, :, 1:]  # [N, J, B-1, d]
     logits = drafter.head_logits(hidden)  # [N, J, B-1, Vd]
     labels = blocks.labels  # [N, J, B-1] token ids
@@ -159,6 +164,9 @@ def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, 
     w = position_weights(B, gamma).to(logits.device)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none",
                          ignore_index=-100).view_as(labels)
+    if soft is not None and kd_weight > 0:
+        soft_ce = -(soft.to(logits.dtype) * logits.log_softmax(-1)).sum(-1)  # [N, J, B-1]
+        ce = (1.0 - kd_weight) * ce + kd_weight * soft_ce
     vmask = blocks.valid.float()
     n = vmask.sum().clamp_min(1.0)
     lmask = vmask[..., None].expand_as(ce)  # [N, J, B-1]

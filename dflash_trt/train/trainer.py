@@ -33,6 +33,7 @@ from dflash_trt.config import DrafterConfig
 from dflash_trt.engine.drafter import DFlashDrafter
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
+from dflash_trt.train.distill import feature_layers, soft_labels, split_features
 from dflash_trt.train.objective import (cosine_lr, default_gamma, dflash_loss, make_blocks, sample_anchors,
                                         trainable)
 from dflash_trt.train.precondition import tap_scale, use_tap_scaling
@@ -67,6 +68,7 @@ class TrainConfig:
     dtype: str = "auto"  # target weights dtype (auto: bf16 where bf16 GEMMs are native, else fp32)
     val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
     tap_scaling: bool = True  # train fc on taps / their per-dim RMS (target layers differ 10-100x); folded on save
+    kd_weight: float = 0.0  # soft labels: loss = (1-a)*CE(label) + a*CE(target's distribution); > 0 also stores the target's last layer with the features
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -82,6 +84,8 @@ class TrainConfig:
             raise ConfigError(f"draft_vocab={self.draft_vocab}: must be 0 (full vocabulary) or a token count")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise ConfigError(f"kd_weight={self.kd_weight}: must be in [0, 1] (0: hard labels only, 1: soft labels only)")
 
 
 class FeatureStore:
@@ -101,6 +105,15 @@ class FeatureStore:
         for s in seqs:
             h.update(np.asarray(s, dtype=np.int64).tobytes() + b"|")
         return h.hexdigest()
+
+    @staticmethod
+    def holds(folder: Path, seqs: list[list[int]], tap_layers: list[int]) -> bool:
+        """Whether `folder` holds the complete features of exactly these sequences and layers."""
+        try:
+            prev = json.loads((folder / "complete").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        return isinstance(prev, dict) and prev.get("fingerprint") == FeatureStore.fingerprint(seqs, tap_layers)
 
     @staticmethod
     def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
@@ -175,7 +188,7 @@ def _tap_scale(target, seqs: list[dict], tap_layers: list[int], store: "FeatureS
         chunk = ids[i: i + 4]
         f = store.get(list(range(i, i + len(chunk))), max(map(len, chunk))) if store is not None \
             else target_taps(target, chunk, tap_layers).to(torch.bfloat16).cpu()  # same statistic either way
-        rows += [f[r, : len(c)] for r, c in enumerate(chunk)]
+        rows += [f[r, : len(c), : len(tap_layers) * target.config.hidden_size] for r, c in enumerate(chunk)]
     return tap_scale(rows)
 
 
@@ -313,10 +326,14 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         dcfg.draft_vocab_size = _check_resume(ckpt, state, dcfg, data_fp, cfg.tap_scaling)  # its head is kept
     store = None
+    layers = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, cfg.kd_weight > 0)
     if cfg.features == "offline":
         fdir = Path(cfg.features_dir or out / "features")
-        FeatureStore.build(target, [s["input_ids"] for s in seqs], dcfg.target_layer_ids, fdir, cfg.batch_size)
-        store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], dcfg.num_taps * dcfg.hidden_size)
+        with_teacher = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, True)
+        if FeatureStore.holds(fdir, [s["input_ids"] for s in seqs], with_teacher):
+            layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
+        FeatureStore.build(target, [s["input_ids"] for s in seqs], layers, fdir, cfg.batch_size)
+        store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
     if vocab is not None and state is None:
@@ -362,15 +379,17 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
             for r, s in enumerate(batch):
                 ids[r, : lens[r]] = torch.tensor(s["input_ids"])
             ids = ids.to(target.device)
-            taps = store.get(idx, S).to(target.device) if store else target_taps(target, [s["input_ids"] for s in batch],
-                                                                dcfg.target_layer_ids)
+            feats = store.get(idx, S).to(target.device) if store else target_taps(target, [s["input_ids"] for s in batch],
+                                                                 layers)
+            taps, teacher = split_features(feats, dcfg.num_taps, dcfg.hidden_size)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
             anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq,
                                             cfg.block_size, gen)
             blocks = make_blocks(ids, anchors.to(ids.device), valid.to(ids.device), cfg.block_size, dcfg.mask_token_id,
                                  next_tokens(batch, S, ids.device))
+            soft = None if teacher is None or not cfg.kd_weight else soft_labels(target, teacher, blocks.positions, drafter.draft_vocab)
             with autocast:
-                res = dflash_loss(drafter, taps, blocks, gamma)
+                res = dflash_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight)
             (res.loss / cfg.grad_accum).backward()
             seen += sum(lens)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
