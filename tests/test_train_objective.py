@@ -68,6 +68,7 @@ def test_gamma_table():
 
 def test_soft_labels_are_the_targets_distribution_at_the_previous_position():
     from dflash_trt.train.distill import feature_layers, soft_labels, split_features
+    from test_draft_vocab import _drafter as _draft_vocab_drafter
 
     t, d, ids, _ = _setup(B=4)
     L = t.config.num_hidden_layers
@@ -79,8 +80,8 @@ def test_soft_labels_are_the_targets_distribution_at_the_previous_position():
     full = t.forward(ids, t.new_cache(2, 20)).logits  # [2, 20, V]: logits at every position
     blocks = make_blocks(ids, torch.tensor([[4, 9], [6, 12]]), torch.ones(2, 2, dtype=torch.bool), 4, d.mask_token_id)
     vocab = torch.tensor([1, 5, 17, 40, 200])
-    for dv in (None, vocab):
-        p = soft_labels(t, teacher, blocks.positions, dv)
+    for dv, drafter in ((None, d), (vocab, _draft_vocab_drafter(t, vocab=vocab))):
+        p = soft_labels(drafter, teacher, blocks.positions)
         for r, j, k in [(0, 0, 1), (0, 1, 3), (1, 1, 2)]:
             a = int(blocks.anchors[r, j])
             ref = full[r, a + k - 1] if dv is None else full[r, a + k - 1, dv]
@@ -88,7 +89,7 @@ def test_soft_labels_are_the_targets_distribution_at_the_previous_position():
     with torch.no_grad():
         greedy = full.argmax(-1)
     # the teacher's argmax at position k is the target's greedy token after x_{..a+k-1}
-    assert torch.equal(soft_labels(t, teacher, blocks.positions, None).argmax(-1)[0, 0],
+    assert torch.equal(soft_labels(d, teacher, blocks.positions).argmax(-1)[0, 0],
                        greedy[0, 4:7])
 
 

@@ -41,18 +41,16 @@ def split_features(feats: torch.Tensor, num_taps: int, hidden: int) -> tuple[tor
 
 
 @torch.no_grad()
-def soft_labels(target, teacher: torch.Tensor, positions: torch.Tensor,
-                draft_vocab: torch.Tensor | None) -> torch.Tensor:
-    """Teacher distribution of every block position 1..B-1.
+def soft_labels(drafter, teacher: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Teacher distribution of every block position 1..B-1, over the drafter's head vocabulary.
 
     teacher [N, S, d]: the target's last layer output; positions [N, J, B]: the blocks' absolute
     positions (a..a+B-1) -> probabilities [N, J, B-1, Vd] (float32), Vd = draft vocab size or V.
-    Position k's distribution is read at sequence position a+k-1."""
+    Position k's distribution is read at sequence position a+k-1. The logits are the target's
+    (final norm + LM head), through drafter.head_logits: the same draft-vocab rows the drafter uses."""
     N, J, B = positions.shape
+    target = drafter.target
     at = positions[..., :-1].reshape(N, -1)  # [N, J*(B-1)]
     h = teacher.gather(1, at[..., None].expand(-1, -1, teacher.shape[-1]))  # [N, J*(B-1), d]
-    w = target.lm_head.weight
-    if draft_vocab is not None:
-        w = w.index_select(0, draft_vocab.to(w.device))
-    logits = torch.nn.functional.linear(target.norm(h.to(w.dtype)), w).float()
+    logits = drafter.head_logits(target.norm(h.to(target.lm_head.weight.dtype)))
     return logits.softmax(-1).view(N, J, B - 1, -1)

@@ -107,13 +107,18 @@ class FeatureStore:
         return h.hexdigest()
 
     @staticmethod
-    def holds(folder: Path, seqs: list[list[int]], tap_layers: list[int]) -> bool:
-        """Whether `folder` holds the complete features of exactly these sequences and layers."""
+    def _marker(folder: Path) -> dict:
+        """The `complete` marker of a finished build ({} when absent or unreadable)."""
         try:
             prev = json.loads((folder / "complete").read_text())
         except (OSError, json.JSONDecodeError):
-            return False
-        return isinstance(prev, dict) and prev.get("fingerprint") == FeatureStore.fingerprint(seqs, tap_layers)
+            return {}
+        return prev if isinstance(prev, dict) else {}
+
+    @staticmethod
+    def holds(folder: Path, seqs: list[list[int]], tap_layers: list[int]) -> bool:
+        """Whether `folder` holds the complete features of exactly these sequences and layers."""
+        return FeatureStore._marker(folder).get("fingerprint") == FeatureStore.fingerprint(seqs, tap_layers)
 
     @staticmethod
     def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
@@ -125,11 +130,7 @@ class FeatureStore:
         width = len(tap_layers) * target.config.hidden_size
         start = 0
         if marker.is_file():
-            try:
-                prev = json.loads(marker.read_text())
-                prev = prev if isinstance(prev, dict) else {}
-            except json.JSONDecodeError:
-                prev = {}
+            prev = FeatureStore._marker(folder)
             if prev.get("fingerprint") == fp:
                 return
             n = prev.get("num_seqs")
@@ -329,10 +330,11 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     layers = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, cfg.kd_weight > 0)
     if cfg.features == "offline":
         fdir = Path(cfg.features_dir or out / "features")
+        token_ids = [s["input_ids"] for s in seqs]
         with_teacher = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, True)
-        if FeatureStore.holds(fdir, [s["input_ids"] for s in seqs], with_teacher):
+        if FeatureStore.holds(fdir, token_ids, with_teacher):
             layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
-        FeatureStore.build(target, [s["input_ids"] for s in seqs], layers, fdir, cfg.batch_size)
+        FeatureStore.build(target, token_ids, layers, fdir, cfg.batch_size)
         store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
@@ -387,7 +389,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
                                             cfg.block_size, gen)
             blocks = make_blocks(ids, anchors.to(ids.device), valid.to(ids.device), cfg.block_size, dcfg.mask_token_id,
                                  next_tokens(batch, S, ids.device))
-            soft = None if teacher is None or not cfg.kd_weight else soft_labels(target, teacher, blocks.positions, drafter.draft_vocab)
+            soft = soft_labels(drafter, teacher, blocks.positions) if teacher is not None and cfg.kd_weight else None
             with autocast:
                 res = dflash_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight)
             (res.loss / cfg.grad_accum).backward()
