@@ -14,6 +14,9 @@ import click
 from dflash_trt.errors import ConfigError, DFlashError
 
 
+DEVICE_HELP = "auto (the CUDA GPU where PyTorch sees one, else the CPU) | cpu | cuda | cuda:N"
+
+
 def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -90,6 +93,7 @@ def models_list():
 @click.option("--block-size", default=None, type=int, help="Draft block size (default: the drafter's).")
 @click.option("--seed", default=None, type=int)
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
 @click.option("--kernels", type=click.Choice(["auto", "triton", "torch"]), default="auto", show_default=True,
               help="Drafter KV injection / block attention and acceptance: Triton GPU kernels, plain PyTorch, "
@@ -100,14 +104,14 @@ def models_list():
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top_p, top_k, max_new_tokens,
-             block_size, seed, dtype, baseline, kernels, cuda_graph, as_json):
+             block_size, seed, dtype, device, baseline, kernels, cuda_graph, as_json):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
 
     if not drafter_dir and not random_drafter:
         load_drafter(None, None)  # raises the "how to get a drafter" message before any download
-    tgt, path = load_target(target, dtype, progress=not as_json)
+    tgt, path = load_target(target, dtype, progress=not as_json, device=device)
     drafter = load_drafter(tgt, drafter_dir, block_size, random_init=random_drafter)
     tok = load_tokenizer(path)
     ids = encode(tok, prompt, chat)

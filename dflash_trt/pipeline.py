@@ -19,10 +19,33 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def native_bf16() -> bool:
-    """Whether bf16 matrix products run natively here: any CUDA GPU, or a CPU with AVX512-BF16/AMX
-    (on this project's EPYC CI class, bf16 GEMMs run 2.3x the fp32 rate; AVX2 CPUs emulate them slowly)."""
-    if torch.cuda.is_available():
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """'auto': the CUDA GPU where PyTorch sees one, else the CPU; otherwise cpu, cuda or cuda:N,
+    checked here so that a missing GPU is one clear line, not an error deep inside a forward."""
+    if isinstance(name, torch.device):
+        return name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={name!r}: choose auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={name!r}: PyTorch sees no CUDA GPU here (torch {torch.__version__}); "
+                              f"use --device cpu, or auto to take a GPU only where there is one")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={name!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return dev
+
+
+def native_bf16(device: str | torch.device = "auto") -> bool:
+    """Whether bf16 matrix products run natively on `device`: any CUDA GPU, or a CPU with
+    AVX512-BF16/AMX (on this project's EPYC CI class, bf16 GEMMs run 2.3x the fp32 rate; AVX2 CPUs
+    emulate them slowly)."""
+    if resolve_device(device).type == "cuda":
         return True
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -30,16 +53,18 @@ def native_bf16() -> bool:
         return False
 
 
-def parse_dtype(name: str, for_training: bool = False) -> torch.dtype:
+def parse_dtype(name: str, for_training: bool = False, device: str | torch.device = "auto") -> torch.dtype:
     """'auto' is bfloat16 on CUDA and float32 on CPU for generation: CPUs without AVX512-BF16/AMX run
     bf16 products over a verify block as slow emulation, and even native bf16 on CPU rounds a
     16-token verify pass differently from a 1-token step, so greedy DFlash output would no longer
     equal the baseline token for token. For training work (data generate/score, features,
-    training) that equality does not matter, so 'auto' is bf16 wherever bf16 GEMMs are native."""
+    training) that equality does not matter, so 'auto' is bf16 wherever bf16 GEMMs are native.
+    `device` is where the model will run (a GPU host told --device cpu gets the CPU's choice)."""
     if name == "auto":
+        dev = resolve_device(device)
         if for_training:
-            return torch.bfloat16 if native_bf16() else torch.float32
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+            return torch.bfloat16 if native_bf16(dev) else torch.float32
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise ConfigError(f"dtype={name!r}: choose auto or one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -57,17 +82,20 @@ def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
     return Path(resolve_model(name_or_dir, fetch=True, progress=progress))
 
 
-def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, for_training: bool = False):
-    """The target engine; for_training: 'auto' dtype as parse_dtype picks it for training work."""
+def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, for_training: bool = False,
+                device: str | torch.device = "auto"):
+    """The target engine on `device` (auto: the GPU where there is one); for_training: 'auto' dtype
+    as parse_dtype picks it for training work."""
     from dflash_trt.engine.target import TargetModel
 
+    dev = resolve_device(device)  # before any download: a wrong --device fails at once
+    torch_dtype = parse_dtype(dtype, for_training, dev)
     path = resolve_target_dir(name_or_dir, progress)
-    torch_dtype = parse_dtype(dtype, for_training)
     from dflash_trt.build.simulate import is_quantized_dir, load_quantized_target
 
-    if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (CPU simulation)
-        return load_quantized_target(path, torch_dtype), path
-    return TargetModel.from_pretrained(path, dtype=torch_dtype), path
+    if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (simulation)
+        return load_quantized_target(path, torch_dtype).to(dev), path
+    return TargetModel.from_pretrained(path, dtype=torch_dtype, device=dev), path
 
 
 def load_drafter(target, drafter_dir: str | None, block_size: int | None = None, random_init: bool = False,

@@ -80,14 +80,12 @@ class BenchContext:
     """Models and options shared by the methods of one bench run."""
 
     def __init__(self, cfg: BenchConfig, progress: bool = True):
-        from dflash_trt.pipeline import load_target, load_tokenizer, stop_ids
+        from dflash_trt.pipeline import load_target, load_tokenizer, resolve_device, stop_ids
         from dflash_trt.spec.engine import _eos_ids
 
         self.cfg, self.chat = cfg, cfg.chat
-        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(dev)
-        self.target, self.target_path = load_target(cfg.target, cfg.dtype, progress=progress)
-        self.target.to(self.device)
+        self.device = resolve_device(cfg.device)
+        self.target, self.target_path = load_target(cfg.target, cfg.dtype, progress=progress, device=self.device)
         self.tokenizer = load_tokenizer(self.target_path)
         neutral_generation_config(self.target.hf, self.tokenizer)
         self.stop_ids = stop_ids(self.tokenizer)
@@ -116,7 +114,7 @@ class BenchContext:
         from dflash_trt.pipeline import load_tokenizer, parse_dtype, resolve_target_dir
 
         path = resolve_target_dir(self.assistant)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(self.cfg.dtype)).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(self.cfg.dtype, device=self.device)).to(self.device).eval()
         tokenizer = load_tokenizer(path)
         neutral_generation_config(model, tokenizer)
         return model, tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors, parse_ints
+from dflash_trt.cli import DEVICE_HELP, friendly_errors, parse_ints
 
 
 def _options_from_dataclass(cls):
@@ -56,8 +56,9 @@ def register(main: click.Group) -> None:
     @click.option("--batch-size", type=int, default=8, show_default=True)
     @click.option("--chat/--no-chat", default=True, show_default=True)
     @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32")
+    @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
     @friendly_errors
-    def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, validation):
+    def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, device, validation):
         from dflash_trt.pipeline import load_target, load_tokenizer
         from dflash_trt.errors import DFlashError
         from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts
@@ -70,7 +71,7 @@ def register(main: click.Group) -> None:
         if not validation and is_validation(out):
             raise DFlashError(f"--out {out}: holds a validation set; add --validation to extend it, or pick another folder")
         prompts = load_prompts(source, limit)
-        tgt, path = load_target(target, dtype, for_training=True)
+        tgt, path = load_target(target, dtype, for_training=True, device=device)
         if validation:  # marked before any shard exists, so an interrupted run is never mistaken for training data
             Path(out).mkdir(parents=True, exist_ok=True)
             mark_validation(out, source)
@@ -86,8 +87,9 @@ def register(main: click.Group) -> None:
     @click.option("--limit", type=int, default=None, help="Use at most this many windows.")
     @click.option("--batch-size", type=int, default=4, show_default=True)
     @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32")
+    @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
     @friendly_errors
-    def data_score(target, source, out, seq_len, limit, batch_size, dtype):
+    def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
         """Teacher-forced data: the target scores existing text once (its greedy next token at every
         position becomes the label); about 5x the tokens per CPU minute of regenerating answers."""
         from dflash_trt.pipeline import load_target, load_tokenizer
@@ -95,7 +97,7 @@ def register(main: click.Group) -> None:
         from dflash_trt.train.data import read_sequences
 
         texts = load_texts(source)
-        tgt, path = load_target(target, dtype, for_training=True)
+        tgt, path = load_target(target, dtype, for_training=True, device=device)
         folder = score_corpus(tgt, load_tokenizer(path), texts, out, seq_len, limit, batch_size)
         seqs = read_sequences(folder)
         click.echo(f"{folder}: {len(seqs)} sequences, {sum(len(s['input_ids']) for s in seqs)} tokens; the text "
@@ -129,15 +131,16 @@ def register(main: click.Group) -> None:
     @click.option("--chat/--no-chat", default=True, show_default=True)
     @click.option("--dtype", default="auto", show_default=True,
                   help="auto: fp32 on CPU (greedy output must equal the baseline's), bf16 on GPU")
+    @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
     @click.option("--block-size", "block_sizes", default=None,
                   help="Comma-separated block sizes to run, e.g. 4,8,16 (default: the drafter's own; at most it).")
     @click.option("--json-out", default=None, help="Also write the results as JSON here.")
     @friendly_errors
-    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, block_sizes, json_out):
+    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device, block_sizes, json_out):
         """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
         from dflash_trt.train.evaluate import evaluate, print_eval
 
-        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype,
+        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device=device,
                        block_sizes=parse_ints(block_sizes, "--block-size") or None)
         print_eval(res)
         if json_out:

@@ -15,7 +15,7 @@ from dflash_trt.errors import DFlashError
 
 def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new_tokens: int = 128,
              chat: bool = True, dtype: str = "auto", target_model=None,
-             block_sizes: list[int] | None = None) -> dict:
+             block_sizes: list[int] | None = None, device: str = "auto") -> dict:
     """DFlash at each of `block_sizes` (default: the drafter's own) against the baseline, per prompt
     interleaved. A drafter trained at B runs at any smaller block (fewer MASK slots): a CPU, where a
     verify pass costs more per token than on a GPU, often pays off best at a block well below B.
@@ -27,7 +27,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
 
     prompts = load_prompts(source, limit)
     if target_model is None:
-        tgt, path = load_target(target, dtype)
+        tgt, path = load_target(target, dtype, device=device)
     else:
         tgt, path = target_model
     drafter = load_drafter(tgt, drafter_dir)

@@ -66,6 +66,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     dtype: str = "auto"  # target weights dtype (auto: bf16 where bf16 GEMMs are native, else fp32)
+    device: str = "auto"  # where target and drafter run: auto (the CUDA GPU where there is one, else the CPU) | cpu | cuda | cuda:N
     val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
     tap_scaling: bool = True  # train fc on taps / their per-dim RMS (target layers differ 10-100x); folded on save
     kd_weight: float = 0.0  # soft labels: loss = (1-a)*CE(label) + a*CE(target's distribution); > 0 also stores the target's last layer with the features
@@ -84,6 +85,9 @@ class TrainConfig:
             raise ConfigError(f"draft_vocab={self.draft_vocab}: must be 0 (full vocabulary) or a token count")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
+        from dflash_trt.pipeline import resolve_device
+
+        resolve_device(self.device)  # a GPU asked for where there is none fails here, naming the field
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ConfigError(f"kd_weight={self.kd_weight}: must be in [0, 1] (0: hard labels only, 1: soft labels only)")
 
@@ -305,7 +309,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     if target is None:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
-        target, _ = load_target(cfg.target, cfg.dtype, progress, for_training=True)
+        target, _ = load_target(cfg.target, cfg.dtype, progress, for_training=True, device=cfg.device)
     seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
     if not seqs:
         raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
@@ -360,7 +364,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         validator = Validator(target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id,
                               gamma, cfg.max_seq_len)
     metrics = _MetricsLog(out / "metrics.jsonl", step)
-    use_bf16 = native_bf16() if cfg.bf16 is None else cfg.bf16
+    use_bf16 = native_bf16(target.device) if cfg.bf16 is None else cfg.bf16
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress)
     t0, seen = time.perf_counter(), 0

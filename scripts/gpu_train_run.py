@@ -1,0 +1,344 @@
+"""Time-boxed GPU run of the drafter recipe (issue #3) on a lent GPU machine that cannot download models.
+
+    python scripts/gpu_train_run.py pack --model DIR --out .gpu --bits 6      # here: the target in parts
+    python scripts/gpu_train_run.py run --parts .gpu --budget 500             # there: data, train, eval
+
+Why it exists: the lent GPU machine has PyTorch but no network, and a call carries at most
+64 MiB, so the 1.2 GB bf16 target travels in parts over several calls, quantized per group of 64
+weights to `bits` bits with an fp16 scale (6 bits: 0.5 GB, relative weight error about 1%; the
+dequantized copy is the target there). `run` then does what scripts/recipe_qwen_coder.sh does, with
+GPU-sized numbers and a wall-clock budget per stage: the target regenerates answers to the
+standard-library code stubs, scores standard-library source (teacher-forced), answers the
+validation prompts; a drafter trains online (target forward inside the step); the drafter is
+evaluated on held-out HumanEval prompts; the drafter (bf16), the regenerated answers and the
+logs come back in $OUT. The drafter is then evaluated here against the real bf16 target.
+
+The device calls (the `device` tool of this workplace; 15 min of device time in all, so plan the
+whole sequence before the first call, and issue the calls back to back: a machine idle for 30 s
+is given back with every part on it):
+    echo /.gpu/ >> .git/info/exclude
+    .venv/bin/python scripts/gpu_train_run.py pack --model ~/.cache/dflash-trt/models/qwen2.5-coder-0.5b-instruct
+    .venv/bin/python scripts/heldout_split.py --dataset humaneval --eval-limit 8 --num 32 --out .gpu/side/val_prompts.jsonl
+    (the 8 eval prompts: {"prompt": p} lines of load_prompts("humaneval", 8) -> .gpu/side/eval_prompts.jsonl)
+    mv dflash_trt/assets/drafters /tmp/   # 10 MB that would not fit beside a 62 MiB part; move back after
+    run carry=[.gpu/p00] ... carry=[.gpu/p06]: `du -sh .gpu/*` (each call adds one part; warm machines keep them)
+    run carry=[.gpu/p07, .gpu/side]: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/gpu_train_run.py run --budget B
+    (B = the call's timeout minus about 40 s; the drafter is shipped before the eval, so a kill during
+    the eval loses only the eval), then give_back, then
+    cat drafter.tar.* > d.tar && tar xf d.tar && dflash-trt eval --target T --drafter drafter --prompts humaneval --limit 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import math
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, also when not pip-installed
+
+import torch  # noqa: E402
+
+GROUP = 64
+
+
+# ---- k-bit group quantization for transport ----------------------------------------------------
+def quantize(w: torch.Tensor, bits: int) -> tuple[bytes, torch.Tensor]:
+    """w [..] -> (packed codes, fp16 scales [n/GROUP]); codes in [-q, q], q = 2^(bits-1) - 1, stored
+    offset by 2^(bits-1) and bit-packed little-endian; numel must be a multiple of GROUP."""
+    q = 2 ** (bits - 1) - 1
+    g = w.float().reshape(-1, GROUP)
+    scale = (g.abs().amax(1) / q).clamp_min(1e-12).half()
+    codes = torch.round(g / scale.float()[:, None]).clamp(-q, q).to(torch.int64) + 2 ** (bits - 1)
+    flat = codes.reshape(-1, 8)  # 8 codes -> `bits` bytes
+    word = torch.zeros(flat.shape[0], dtype=torch.int64)
+    for i in range(8):
+        word |= flat[:, i] << (bits * i)
+    out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(bits)], 1).to(torch.uint8)
+    return out.numpy().tobytes(), scale
+
+
+def dequantize(buf: bytes, scale: torch.Tensor, shape: list[int], bits: int, device) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(device).reshape(-1, bits).to(torch.int64)
+    word = torch.zeros(raw.shape[0], dtype=torch.int64, device=device)
+    for j in range(bits):
+        word |= raw[:, j] << (8 * j)
+    mask = 2 ** bits - 1
+    codes = torch.stack([(word >> (bits * i)) & mask for i in range(8)], 1).reshape(-1, GROUP)
+    vals = (codes - 2 ** (bits - 1)).float() * scale.to(device).float()[:, None]
+    return vals.reshape(shape).to(torch.bfloat16)
+
+
+def pack(model: Path, out: Path, bits: int, part_mb: float) -> None:
+    from safetensors import safe_open
+
+    out.mkdir(parents=True, exist_ok=True)
+    index, blob = [], bytearray()
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            entry = {"name": name, "shape": list(t.shape), "offset": len(blob)}
+            if t.dim() == 2 and t.numel() % (8 * GROUP) == 0:
+                codes, scale = quantize(t, bits)
+                entry.update(kind="q", nbytes=len(codes), scale_offset=len(blob) + len(codes))
+                blob += codes
+                blob += scale.numpy().tobytes()
+            else:  # norms and biases: small, sent as bf16
+                raw = t.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+                entry.update(kind="bf16", nbytes=len(raw))
+                blob += raw
+            index.append(entry)
+    (out / "side").mkdir(exist_ok=True)  # config and tokenizer files, xz-compressed (carried with any part)
+    for f in sorted(model.iterdir()):
+        if f.is_file() and not f.name.startswith(("model", ".")):  # weights travel in the parts
+            (out / "side" / (f.name + ".xz")).write_bytes(lzma.compress(f.read_bytes()))
+    step = int(part_mb * 2 ** 20)
+    parts = math.ceil(len(blob) / step)
+    for i in range(parts):
+        d = out / f"p{i:02d}"
+        d.mkdir(exist_ok=True)
+        (d / "blob").write_bytes(bytes(blob[i * step: (i + 1) * step]))
+    (out / "side" / "index.json").write_text(json.dumps({"bits": bits, "parts": parts, "size": len(blob),
+                                                         "tensors": index}))
+    print(f"{len(blob) / 2**20:.0f} MiB in {parts} parts of <= {part_mb} MiB under {out}")
+
+
+def unpack(parts: Path, dest: Path, device) -> Path:
+    from safetensors.torch import save_file
+
+    meta = json.loads((parts / "side" / "index.json").read_text())
+    missing = [i for i in range(meta["parts"]) if not (parts / f"p{i:02d}" / "blob").is_file()]
+    if missing:
+        raise SystemExit(f"{parts}: parts {missing} of {meta['parts']} are missing (each device call carries one)")
+    blob = b"".join((parts / f"p{i:02d}" / "blob").read_bytes() for i in range(meta["parts"]))
+    assert len(blob) == meta["size"], (len(blob), meta["size"])
+    state = {}
+    for e in meta["tensors"]:
+        raw = blob[e["offset"]: e["offset"] + e["nbytes"]]
+        if e["kind"] == "q":
+            n = math.prod(e["shape"]) // GROUP
+            scale = torch.frombuffer(bytearray(blob[e["scale_offset"]: e["scale_offset"] + 2 * n]), dtype=torch.float16)
+            state[e["name"]] = dequantize(raw, scale, e["shape"], meta["bits"], device).cpu()
+        else:
+            state[e["name"]] = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16).reshape(e["shape"])
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    for f in (parts / "side").glob("*.xz"):
+        (dest / f.name[:-3]).write_bytes(lzma.decompress(f.read_bytes()))
+    return dest
+
+
+
+# ---- the time-boxed run ---------------------------------------------------------------------------
+class Log:
+    def __init__(self, path: Path):
+        self.t0, self.f = time.time(), open(path, "a", buffering=1)
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.time() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.f.write(line + "\n")
+
+
+def _answers(target, tok, prompts, out: Path, cap_s: float, log, batch: int, new_tokens: int, temperature: float,
+             seed: int) -> int:
+    """Regenerate answers chunk by chunk (generate_data resumes) until the prompts or cap_s run out."""
+    from dflash_trt.train.data import generate_data
+
+    t, done = time.time(), 0
+    while done < len(prompts):
+        t1 = time.time()
+        nxt = min(len(prompts), done + batch)
+        generate_data(target, tok, prompts[:nxt], out, new_tokens, batch, shard_size=batch, temperature=temperature,
+                      seed=seed, progress=False)
+        took = time.time() - t1
+        done = nxt
+        log(f"  answers {out.name}: {done}/{len(prompts)} ({took:.1f}s for {batch})")
+        if time.time() - t + took > cap_s:
+            break
+    return done
+
+
+def run(a) -> None:
+    out = Path(a.out or os.environ.get("OUT", "/tmp/gpu_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "run.log")
+    deadline = log.t0 + a.budget
+    dev = torch.device(a.device)
+    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.pipeline import load_tokenizer
+    from dflash_trt.train.corpus import load_texts, score_corpus
+    from dflash_trt.train.data import generate_data, load_prompts, read_sequences
+    from dflash_trt.train.trainer import TrainConfig, train
+    from dflash_trt.train.validate import mark_validation
+
+    import transformers
+    log(f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
+        f"device {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'cpu'}")
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    tdir = unpack(Path(a.parts), work / "target", dev)
+    target = TargetModel.from_pretrained(tdir, dtype=torch.bfloat16, device=dev)
+    tok = load_tokenizer(tdir)
+    log(f"target unpacked and loaded: {tdir}")
+
+    data_dirs = []
+    try:  # 1. regenerated answers to the standard-library code stubs (greedy), then sampled ones
+        prompts = load_prompts(a.prompts)
+        cap = a.answers_s
+        n = _answers(target, tok, prompts, work / "answers", cap, log, a.gen_batch, a.new_tokens, 0.0, 0)
+        data_dirs.append(work / "answers")
+        if n == len(prompts) and a.sampled and time.time() < log.t0 + cap:
+            _answers(target, tok, prompts, work / "answers_t07", log.t0 + cap - time.time(), log, a.gen_batch,
+                     a.new_tokens, 0.7, 1)
+            data_dirs.append(work / "answers_t07")
+    except Exception:
+        log("answers FAILED:\n" + traceback.format_exc())
+    try:  # 2. validation answers (held-out HumanEval prompts, disjoint from the eval's)
+        val = work / "val"
+        val.mkdir(parents=True)
+        mark_validation(val, "humaneval-heldout")
+        generate_data(target, tok, load_prompts(a.val_prompts), val, 128, 64, progress=False)
+        log(f"validation answers: {len(read_sequences(val))}")
+    except Exception:
+        val = None
+        log("validation FAILED:\n" + traceback.format_exc())
+    try:  # 3. teacher-forced windows of standard-library source
+        t = time.time()
+        texts = load_texts(a.text)
+        lim = 0
+        while time.time() - t < a.score_s:
+            lim += a.score_chunk
+            score_corpus(target, tok, texts, work / "scored", 512, lim, a.score_batch, shard_size=a.score_chunk,
+                         progress=False)
+            got = len(read_sequences(work / "scored"))
+            log(f"  scored windows: {got}")
+            if got < lim:
+                break
+        data_dirs.append(work / "scored")
+    except Exception:
+        log("scoring FAILED:\n" + traceback.format_exc())
+    log(f"data: " + ", ".join(f"{d.name} {len(read_sequences(d))} seqs "
+                              f"{sum(len(s['input_ids']) for s in read_sequences(d))} tok" for d in data_dirs))
+
+    base = dict(target=str(tdir), data=",".join(map(str, data_dirs)), num_layers=a.layers, block_size=16,
+                anchors_per_seq=16, batch_size=a.train_batch, lr=6e-4, gamma=a.gamma, draft_vocab=16384,
+                features="online", max_seq_len=512, val_data=str(val) if val else None, log_every=20)
+    drafter_dir = None
+    try:  # 4. train: calibrate the step time, then fit whole epochs into what is left before the eval
+        t = time.time()
+        spans = []
+        for steps in (3, 11):  # the difference of two short runs: the step time without the setup
+            t1 = time.time()
+            train(TrainConfig(**{**base, "val_data": None}, out=str(work / f"cal{steps}"), epochs=1, max_steps=steps,
+                              save_every=10**6), target, progress=False)
+            spans.append(time.time() - t1)
+        per_step = max(1e-3, (spans[1] - spans[0]) / 8) * 1.1  # 10% for the held-out checks and saves
+        seqs = sum(len(read_sequences(d)) for d in data_dirs)
+        per_epoch = math.ceil(seqs / a.train_batch)
+        budget = deadline - time.time() - a.reserve_s
+        fit = int(budget / per_step)
+        epochs = max(1, min(a.max_epochs, fit // per_epoch))
+        max_steps = None if fit >= per_epoch else max(1, fit)
+        save_every = max(50, (epochs * per_epoch if max_steps is None else max_steps) // 4)
+        log(f"train: {seqs} seqs, {per_epoch} steps/epoch, {per_step:.3f} s/step (calibration, setup {spans[0]:.1f}s), budget {budget:.0f}s "
+            f"-> epochs {epochs}, max_steps {max_steps}")
+        drafter_dir = train(TrainConfig(**base, out=str(work / "train"), epochs=epochs, max_steps=max_steps,
+                                        save_every=save_every), target, progress=False)
+        log(f"trained in {time.time() - t:.0f}s -> {drafter_dir}")
+        shutil.copy(work / "train" / "metrics.jsonl", out / "metrics.jsonl")
+    except Exception:
+        log("train FAILED:\n" + traceback.format_exc())
+        if (work / "train" / "metrics.jsonl").is_file():
+            shutil.copy(work / "train" / "metrics.jsonl", out / "metrics.jsonl")
+    _ship(work, out, drafter_dir, data_dirs, log)
+    if drafter_dir and time.time() < deadline - 10:
+        try:  # 5. real DFlash generation on held-out HumanEval prompts (fp32 target: exact greedy equality)
+            from dflash_trt.train.evaluate import evaluate
+
+            target.float()
+            res = evaluate(str(tdir), str(drafter_dir), a.eval_prompts, limit=8, max_new_tokens=128,
+                           target_model=(target, tdir))
+            (out / "eval_gpu.json").write_text(json.dumps(res, indent=1))
+            log(f"GPU eval: tau {res['tau']:.2f}, speedup {res['speedup']:.2f}x, per-position "
+                + " ".join(f"{p:.2f}" for p in res["per_position_acceptance"][:6]))
+        except Exception:
+            log("eval FAILED:\n" + traceback.format_exc())
+    log("done")
+
+
+def _ship(work: Path, out: Path, drafter_dir, data_dirs, log) -> None:
+    """The drafter (bf16) as <= 15 MiB pieces, and the regenerated answers, into $OUT."""
+    import tarfile
+
+    from safetensors.torch import load_file, save_file
+
+    try:
+        if drafter_dir:
+            d = Path(drafter_dir)
+            st = load_file(str(d / "model.safetensors"))
+            save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in st.items()},
+                      str(d / "model.safetensors"), metadata={"format": "pt"})
+            with tarfile.open(work / "drafter.tar", "w") as tf:
+                tf.add(d, arcname="drafter")
+            raw = (work / "drafter.tar").read_bytes()
+            step = 15 * 2 ** 20
+            for i in range(math.ceil(len(raw) / step)):
+                (out / f"drafter.tar.{i}").write_bytes(raw[i * step: (i + 1) * step])
+            log(f"drafter: {len(raw) / 2**20:.1f} MiB in {math.ceil(len(raw) / step)} pieces")
+        answers = [d for d in data_dirs if d.name.startswith("answers")]
+        if answers:
+            with tarfile.open(out / "answers.tar.xz", "w:xz") as tf:
+                for d in answers:
+                    tf.add(d, arcname=d.name)
+            log(f"answers: {(out / 'answers.tar.xz').stat().st_size / 2**20:.1f} MiB")
+    except Exception:
+        log("ship FAILED:\n" + traceback.format_exc())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="the target's weights in transport parts (here)")
+    p.add_argument("--model", required=True, help="HF folder of the target (dflash-trt models fetch ...)")
+    p.add_argument("--out", default=".gpu")
+    p.add_argument("--bits", type=int, default=6, choices=(4, 5, 6, 7, 8))
+    p.add_argument("--part-mb", type=float, default=62, help="62 MiB parts + a 1 MiB checkout fit one call's 64 MiB when dflash_trt/assets/drafters is moved aside")
+    r = sub.add_parser("run", help="data, training and eval on the GPU within --budget seconds (there)")
+    r.add_argument("--parts", default=".gpu")
+    r.add_argument("--out", default=None, help="default $OUT")
+    r.add_argument("--work", default="/tmp/gpu_work")
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--budget", type=float, default=500, help="seconds for everything")
+    r.add_argument("--answers-s", type=float, default=150)
+    r.add_argument("--score-s", type=float, default=45)
+    r.add_argument("--reserve-s", type=float, default=60, help="kept for shipping and the eval after training")
+    r.add_argument("--gen-batch", type=int, default=256)
+    r.add_argument("--new-tokens", type=int, default=256)
+    r.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the greedy answers, sampled (T=0.7) ones while the answers budget lasts")
+    r.add_argument("--prompts", default="stdlib-code", help="training prompts (as `data generate --prompts`)")
+    r.add_argument("--text", default="stdlib-src", help="text the target scores (as `data score --text`)")
+    r.add_argument("--score-chunk", type=int, default=1024)
+    r.add_argument("--score-batch", type=int, default=32)
+    r.add_argument("--train-batch", type=int, default=32)
+    r.add_argument("--layers", type=int, default=1)
+    r.add_argument("--gamma", type=float, default=4)
+    r.add_argument("--max-epochs", type=int, default=12)
+    r.add_argument("--val-prompts", default=".gpu/side/val_prompts.jsonl")
+    r.add_argument("--eval-prompts", default=".gpu/side/eval_prompts.jsonl")
+    a = ap.parse_args()
+    if a.cmd == "pack":
+        pack(Path(a.model), Path(a.out), a.bits, a.part_mb)
+    else:
+        run(a)
+
+
+if __name__ == "__main__":
+    main()
