@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_trt.cli import friendly_errors, parse_ints
+from dflash_trt.cli import DEVICE_HELP, friendly_errors, parse_ints
 
 
 def _names(value: str) -> list[str]:
@@ -36,7 +36,7 @@ def _names(value: str) -> list[str]:
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")
-@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Warm-up rounds (all methods) before timing.")
 @click.option("--prompt-lookup-tokens", default=10, show_default=True, type=int,
               help="hf-prompt-lookup: prompt_lookup_num_tokens.")
