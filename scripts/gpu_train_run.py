@@ -191,13 +191,13 @@ def run(a) -> None:
     data_dirs = []
     try:  # 1. regenerated answers to the standard-library code stubs (greedy), then sampled ones
         prompts = load_prompts(a.prompts)
-        cap = a.answers_s
-        n = _answers(target, tok, prompts, work / "answers", cap, log, a.gen_batch, a.new_tokens, 0.0, 0)
+        end = time.time() + a.answers_s
+        n = _answers(target, tok, prompts, work / "answers", a.answers_s, log, a.gen_batch, a.new_tokens, 0.0, 0)
         data_dirs.append(work / "answers")
-        if n == len(prompts) and a.sampled and time.time() < log.t0 + cap:
-            _answers(target, tok, prompts, work / "answers_t07", log.t0 + cap - time.time(), log, a.gen_batch,
-                     a.new_tokens, 0.7, 1)
+        if n == len(prompts) and a.sampled and time.time() < end:
             data_dirs.append(work / "answers_t07")
+            _answers(target, tok, prompts, work / "answers_t07", end - time.time(), log, a.gen_batch,
+                     a.new_tokens, 0.7, 1)
     except Exception:
         log("answers FAILED:\n" + traceback.format_exc())
     try:  # 2. validation answers (held-out HumanEval prompts, disjoint from the eval's)
@@ -221,11 +221,11 @@ def run(a) -> None:
             log(f"  scored windows: {got}")
             if got < lim:
                 break
-        data_dirs.append(work / "scored")
     except Exception:
         log("scoring FAILED:\n" + traceback.format_exc())
-    log(f"data: " + ", ".join(f"{d.name} {len(read_sequences(d))} seqs "
-                              f"{sum(len(s['input_ids']) for s in read_sequences(d))} tok" for d in data_dirs))
+    data_dirs = [d for d in data_dirs + [work / "scored"] if list(d.glob("data-*.jsonl"))]  # written shards only
+    log("data: " + ", ".join(f"{d.name} {len(read_sequences(d))} seqs "
+                             f"{sum(len(s['input_ids']) for s in read_sequences(d))} tok" for d in data_dirs))
 
     base = dict(target=str(tdir), data=",".join(map(str, data_dirs)), num_layers=a.layers, block_size=16,
                 anchors_per_seq=16, batch_size=a.train_batch, lr=6e-4, gamma=a.gamma, draft_vocab=16384,
