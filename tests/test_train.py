@@ -405,6 +405,25 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     assert json.loads((tmp_path / "busy.json").read_text())["other_cpu_share"] == 1.0
     r = CliRunner().invoke(main, args + ["--block-size", "4,x"])
     assert r.exit_code == 2 and "--block-size" in r.output
+    # a DFlash output that differs from the baseline: a bug in fp32, a counted rounding effect in bf16
+    import dflash_trt.spec.loop as loop
+
+    monkeypatch.undo()  # the busy-machine snapshots above
+    real = loop.generate
+
+    def off_by_one(*a, **k):
+        res = real(*a, **k)
+        res.tokens[0][-1] += 1
+        return res
+
+    monkeypatch.setattr(loop, "generate", off_by_one)
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "this is a bug" in r.output
+    r = CliRunner().invoke(main, args + ["--dtype", "bfloat16", "--json-out", str(tmp_path / "bf.json")])
+    said = " ".join(r.output.split())  # rich wraps lines
+    assert r.exit_code == 0 and "2 DFlash run(s) differ" in said and "--dtype float32 compares exactly" in said, said
+    bf = json.loads((tmp_path / "bf.json").read_text())
+    assert bf["mismatches"] == 2 and bf["dtype"] == "bfloat16" and res["mismatches"] == 0
 
 
 def test_soft_label_features_serve_a_hard_label_run(tmp_path):

@@ -2,12 +2,14 @@
 
 Boundary: runs DFlash and the autoregressive baseline on the same held-out prompts, one prompt at
 a time, interleaved (A B A B) after a short warm-up of each, so both see the same machine state;
-greedy outputs must agree.
+greedy outputs must agree in fp32 (a difference is a bug and raises); in bf16/fp16 they are counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import DFlashError
@@ -58,7 +60,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
                 a = generate(tgt, drafter, [ids], params)
                 mismatches += a.tokens != b_out.tokens
                 spec[b].merge(a.stats)
-    if mismatches:
+    if mismatches and tgt.dtype == torch.float32:
         raise DFlashError(f"{mismatches} run(s) gave different greedy output with DFlash: this is a bug, "
                           f"please report it with the prompt")
 
@@ -70,7 +72,10 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
                 "speedup": st.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None}
 
     rows = [row(b) for b in sizes]
+    # in bf16/fp16 a verify block rounds differently from a 1-token step, so a near-tie can flip:
+    # counted and reported, not a bug (fp32, the CPU default, must match exactly and raises above)
     return {"num_prompts": len(prompts), **rows[0], "baseline_tokens_per_s": base.decode_tokens_per_s,
+            "dtype": str(tgt.dtype).replace("torch.", ""), "mismatches": mismatches,
             "trained_block_size": trained_b, "sweep": rows, "other_cpu_share": watch.others_share}
 
 
@@ -90,6 +95,10 @@ def print_eval(res: dict) -> None:
         t.add_row(str(r["block_size"]), f"{r['tau']:.2f}", f"{r['acceptance_rate']:.2f}",
                   f"{r['dflash_tokens_per_s']:.1f}", f"{res['baseline_tokens_per_s']:.1f}", sp)
     Console().print(t)
+    if res.get("mismatches"):
+        Console().print(f"{res['mismatches']} DFlash run(s) differ from the baseline's greedy output: in {res['dtype']} "
+                        f"a verify block rounds differently from a 1-token step, so near-ties can flip; "
+                        f"--dtype float32 compares exactly", style="bold yellow", markup=False, highlight=False)
     if warn := contention_warning(res.get("other_cpu_share")):
         Console().print(warn, style="bold yellow", markup=False, highlight=False)
     for r in rows:
