@@ -117,8 +117,12 @@ def test_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch):
     rep = json.loads((tmp_path / "bench.json").read_text())
     rows = {x["method"]: x for x in rep["rows"]}
     assert rows["wrong"]["exact"] == "NO" and rows["dflash"]["exact"] == "yes" and len(rep["mismatches"]) == 1
-    with pytest.raises(OutputMismatchError, match="prompts/1"):
+    with pytest.raises(OutputMismatchError, match="prompts/1") as e:
         run_bench(config(setup, tmp_path / "lib", methods=["hf", "wrong"]), say=lambda m: None, progress=False)
+    assert "near-ties" not in str(e.value)  # fp32: no excuse
+    with pytest.raises(OutputMismatchError, match=r"runs in bfloat16.*--dtype float32 checks exactness"):
+        run_bench(config(setup, tmp_path / "bf", methods=["hf", "wrong"], dtype="bfloat16"), say=lambda m: None,
+                  progress=False)
 
 
 def test_sampling_compares_distributions_and_scaling_sweeps(setup, tmp_path):
