@@ -114,7 +114,8 @@ class BenchContext:
         from dflash_trt.pipeline import load_tokenizer, parse_dtype, resolve_target_dir
 
         path = resolve_target_dir(self.assistant)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(self.cfg.dtype, device=self.device)).to(self.device).eval()
+        dtype = parse_dtype(self.cfg.dtype, device=self.device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         tokenizer = load_tokenizer(path)
         neutral_generation_config(model, tokenizer)
         return model, tokenizer
