@@ -20,7 +20,7 @@ is given back with every part on it):
     .venv/bin/python scripts/gpu_train_run.py pack --model ~/.cache/dflash-trt/models/qwen2.5-coder-0.5b-instruct
     .venv/bin/python scripts/heldout_split.py --dataset humaneval --eval-limit 8 --num 32 --out .gpu/side/val_prompts.jsonl
     (the 8 eval prompts: {"prompt": p} lines of load_prompts("humaneval", 8) -> .gpu/side/eval_prompts.jsonl)
-    mv dflash_trt/assets/drafters /tmp/   # 10 MB that would not fit beside a 62 MiB part; move back after
+    mv dflash_trt/assets/drafters /tmp/   # 10 MB that would not fit beside a 60 MiB part; move back after
     run carry=[.gpu/p00] ... carry=[.gpu/p06]: `du -sh .gpu/*` (each call adds one part; warm machines keep them)
     run carry=[.gpu/p07, .gpu/side]: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/gpu_train_run.py run --budget B
     (B = the call's timeout minus about 40 s; the drafter is shipped before the eval, so a kill during
@@ -309,7 +309,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="HF folder of the target (dflash-trt models fetch ...)")
     p.add_argument("--out", default=".gpu")
     p.add_argument("--bits", type=int, default=6, choices=(4, 5, 6, 7, 8))
-    p.add_argument("--part-mb", type=float, default=62, help="62 MiB parts + a 1 MiB checkout fit one call's 64 MiB when dflash_trt/assets/drafters is moved aside")
+    p.add_argument("--part-mb", type=float, default=60, help="60 MiB parts + the checkout (about 1.3 MiB without dflash_trt/assets/drafters, which the calls move aside) fit one call's 64 MiB")
     r = sub.add_parser("run", help="data, training and eval on the GPU within --budget seconds (there)")
     r.add_argument("--parts", default=".gpu")
     r.add_argument("--out", default=None, help="default $OUT")
