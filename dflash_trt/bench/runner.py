@@ -257,6 +257,7 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
     Raises OutputMismatchError (after writing) if a lossless method's greedy output differs."""
     from dflash_trt.bench import report, scaling
     from dflash_trt.contention import CpuWatch, contention_warning
+    from dflash_trt.pipeline import inexact_greedy_note
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -295,11 +296,9 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
             m.close()
         ctx.close()
     if mismatches:
-        hint = "" if ctx.target.dtype == torch.float32 else (
-            f"; the target runs in {str(ctx.target.dtype).replace('torch.', '')}, where a verify block rounds "
-            f"differently from a 1-token step and near-ties can flip: --dtype float32 checks exactness")
+        note = inexact_greedy_note(ctx.target.dtype)
         raise OutputMismatchError(f"{len(mismatches)} greedy output mismatch(es); first: {mismatches[0]} "
-                                  f"(report in {out}){hint}")
+                                  f"(report in {out})" + (f"; {note}" if note else ""))
     return rep
 
 
