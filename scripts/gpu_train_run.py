@@ -171,8 +171,7 @@ def run(a) -> None:
     log = Log(out / "run.log")
     deadline = log.t0 + a.budget
     dev = torch.device(a.device)
-    from dflash_trt.engine.target import TargetModel
-    from dflash_trt.pipeline import load_tokenizer
+    from dflash_trt.pipeline import load_target, load_tokenizer
     from dflash_trt.train.corpus import load_texts, score_corpus
     from dflash_trt.train.data import generate_data, load_prompts, read_sequences
     from dflash_trt.train.trainer import TrainConfig, train
@@ -184,7 +183,7 @@ def run(a) -> None:
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     tdir = unpack(Path(a.parts), work / "target", dev)
-    target = TargetModel.from_pretrained(tdir, dtype=torch.bfloat16, device=dev)
+    target, _ = load_target(str(tdir), "bfloat16", progress=False, device=dev)
     tok = load_tokenizer(tdir)
     log(f"target unpacked and loaded: {tdir}")
 
@@ -224,8 +223,9 @@ def run(a) -> None:
     except Exception:
         log("scoring FAILED:\n" + traceback.format_exc())
     data_dirs = [d for d in data_dirs + [work / "scored"] if list(d.glob("data-*.jsonl"))]  # written shards only
-    log("data: " + ", ".join(f"{d.name} {len(read_sequences(d))} seqs "
-                             f"{sum(len(s['input_ids']) for s in read_sequences(d))} tok" for d in data_dirs))
+    sizes = {d.name: read_sequences(d) for d in data_dirs}
+    log("data: " + ", ".join(f"{name} {len(seqs)} seqs {sum(len(q['input_ids']) for q in seqs)} tok"
+                             for name, seqs in sizes.items()))
 
     base = dict(target=str(tdir), data=",".join(map(str, data_dirs)), num_layers=a.layers, block_size=16,
                 anchors_per_seq=16, batch_size=a.train_batch, lr=6e-4, gamma=a.gamma, draft_vocab=16384,
@@ -240,7 +240,7 @@ def run(a) -> None:
                               save_every=10**6), target, progress=False)
             spans.append(time.time() - t1)
         per_step = max(1e-3, (spans[1] - spans[0]) / 8) * 1.1  # 10% for the held-out checks and saves
-        seqs = sum(len(read_sequences(d)) for d in data_dirs)
+        seqs = sum(map(len, sizes.values()))
         per_epoch = math.ceil(seqs / a.train_batch)
         budget = deadline - time.time() - a.reserve_s
         fit = int(budget / per_step)
