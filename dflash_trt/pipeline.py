@@ -96,9 +96,12 @@ def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
 
 
 def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, for_training: bool = False,
-                device: str | torch.device = "auto"):
+                device: str | torch.device = "auto", packed: bool | None = None):
     """The target engine on `device` (auto: the GPU where there is one); for_training: 'auto' dtype
-    as parse_dtype picks it for training work."""
+    as parse_dtype picks it for training work. packed: CPU linear weights prepacked for oneDNN
+    (engine/cpu_pack.py); None = wherever it runs (CPU inference), False where the plain nn.Linear
+    modules are needed (training, quantisation calibration)."""
+    from dflash_trt.engine.cpu_pack import pack_target, pack_unavailable_reason
     from dflash_trt.engine.target import TargetModel
 
     dev = resolve_device(device)  # before any download: a wrong --device fails at once
@@ -107,8 +110,16 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
     from dflash_trt.build.simulate import is_quantized_dir, load_quantized_target
 
     if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (simulation)
-        return load_quantized_target(path, torch_dtype).to(dev), path
-    return TargetModel.from_pretrained(path, dtype=torch_dtype, device=dev), path
+        target = load_quantized_target(path, torch_dtype).to(dev)
+    else:
+        target = TargetModel.from_pretrained(path, dtype=torch_dtype, device=dev)
+    if packed is None:
+        packed = not for_training and pack_unavailable_reason(dev, torch_dtype) is None
+    elif packed and (why := pack_unavailable_reason(dev, torch_dtype)):
+        raise DFlashError(f"cannot pack the target's CPU weights: {why}")
+    if packed:
+        pack_target(target)
+    return target, path
 
 
 def load_drafter(target, drafter_dir: str | None, block_size: int | None = None, random_init: bool = False,

@@ -51,15 +51,17 @@ def test_device_choice_auto_explicit_and_refused(monkeypatch, tmp_path):
         pipeline.resolve_device("cuda:3")
     from dflash_trt.engine.target import TargetModel
 
-    seen = []
+    seen, packed = [], []
     monkeypatch.setattr(TargetModel, "from_pretrained", classmethod(lambda cls, path, dtype, device: seen.append(
-        (device, dtype))))
+        (device, dtype)) or device))
+    monkeypatch.setattr("dflash_trt.engine.cpu_pack.pack_target", packed.append)
     folder = tiny_model_dir(tmp_path / "t")
     pipeline.load_target(str(folder))
     pipeline.load_target(str(folder), device="cpu")
     pipeline.load_target(str(folder), for_training=True, device="cpu")
     assert seen == [(torch.device("cuda"), torch.bfloat16), (torch.device("cpu"), torch.float32),
                     (torch.device("cpu"), torch.float32)]
+    assert packed == [torch.device("cpu")]  # CPU weights are packed for inference, not on the GPU or for training
     monkeypatch.undo()
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

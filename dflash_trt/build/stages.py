@@ -113,7 +113,8 @@ def stage_quantize(ctx: Context) -> dict:
 
     cfg = ctx.cfg
     kv = None if cfg.kv_cache == "bf16" else cfg.kv_cache
-    target, _ = load_target(str(ctx.dirs["target"]), "float32", progress=False)  # calibrate in full precision
+    target, _ = load_target(str(ctx.dirs["target"]), "float32", progress=False,  # calibrate in full precision
+                            packed=False)  # activation hooks need the nn.Linear modules
     drafter = load_drafter(target, str(ctx.dirs["drafter"]))
     ids = _calibration_ids(ctx, load_tokenizer(ctx.dirs["tokenizer"]))
     out = {}

@@ -67,6 +67,7 @@ class TargetModel(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.scale = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.has_qk_norm = hasattr(attn, "q_norm")
+        self.packed = False  # linear weights prepacked for the CPU (engine/cpu_pack.py)
         for p in self.parameters():
             p.requires_grad_(False)
 

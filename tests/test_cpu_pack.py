@@ -1,0 +1,86 @@
+"""CPU weight packing (engine/cpu_pack.py): same math as nn.Linear, same decoding, clear refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import tiny_drafter, tiny_model_dir, tiny_target
+from dflash_trt.config import SamplingParams
+from dflash_trt.engine.cpu_pack import ENV_SWITCH, PackedLinear, pack_target, pack_unavailable_reason
+from dflash_trt.errors import DFlashError
+from dflash_trt.spec.loop import generate, generate_baseline
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 48), (2, 3, 48), (1, 1, 48)])
+def test_packed_linear_matches_linear(bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40, bias=bias)
+    packed = PackedLinear(lin)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    assert packed(x).shape == (*shape[:-1], 40)
+    assert dict(packed.named_parameters()) == {} and packed.state_dict() == {}  # nothing to train or save
+    assert packed.weight is None  # the dense copy is dropped ...
+    assert PackedLinear(lin, keep_dense=True).weight.data_ptr() == lin.weight.data_ptr()  # ... or shared, not copied
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])  # qwen2: q/k/v biases
+def test_packed_target_forward_and_decoding(family):
+    dense = tiny_target(family)
+    with torch.no_grad():  # HF initialises biases to zero: make Qwen2's q/k/v biases count
+        for m in dense.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
+    packed = copy.deepcopy(dense)
+    n = pack_target(packed)
+    assert n == 2 * 7 + 1 and packed.packed and not dense.packed  # 2 layers x (q,k,v,o,gate,up,down) + head
+    assert type(packed.hf.model.layers[0].mlp.down_proj) is PackedLinear and packed.hf.lm_head is packed.lm_head
+
+    ids = torch.randint(0, 256, (2, 9))
+    outs = []
+    for t in (dense, packed):
+        cache = t.new_cache(2, 32)
+        outs.append(t.forward(ids, cache, tap_layers=[0, 1]))
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1].taps, outs[0].taps, atol=1e-4, rtol=1e-4)
+
+    prompts = [[3, 14, 15, 92], [6, 53, 58, 97, 93, 23]]
+    params = SamplingParams(max_new_tokens=12)
+    base = generate_baseline(packed, prompts, params).tokens
+    assert base == generate_baseline(dense, prompts, params).tokens
+    drafter = tiny_drafter(packed, block_size=4)  # its head reads lm_head.weight, kept dense
+    assert generate(packed, drafter, prompts, params).tokens == base
+    # Hugging Face generate() runs the same packed modules (the bench's hf methods)
+    hf_out = packed.hf.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)
+    assert hf_out[0, len(prompts[0]):].tolist() == base[0]
+
+
+def test_unavailable_reasons(monkeypatch):
+    assert "not the CPU" in pack_unavailable_reason("cuda", torch.float32)
+    assert "float16" in pack_unavailable_reason("cpu", torch.float16)
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert pack_unavailable_reason("cpu", torch.float32) == f"{ENV_SWITCH}=0"
+
+
+@needs_onednn
+def test_load_target_packs_for_inference_only(tmp_path, monkeypatch):
+    from dflash_trt.pipeline import load_target
+
+    folder = str(tiny_model_dir(tmp_path / "t"))
+    assert load_target(folder, "float32", progress=False, device="cpu")[0].packed
+    assert not load_target(folder, "float32", progress=False, device="cpu", for_training=True)[0].packed
+    assert not load_target(folder, "float32", progress=False, device="cpu", packed=False)[0].packed
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert not load_target(folder, "float32", progress=False, device="cpu")[0].packed
+    with pytest.raises(DFlashError, match=f"cannot pack the target's CPU weights: {ENV_SWITCH}=0"):
+        load_target(folder, "float32", progress=False, device="cpu", packed=True)
