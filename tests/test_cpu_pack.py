@@ -68,6 +68,7 @@ def test_packed_target_forward_and_decoding(family):
 def test_unavailable_reasons(monkeypatch):
     assert "not the CPU" in pack_unavailable_reason("cuda", torch.float32)
     assert "float16" in pack_unavailable_reason("cpu", torch.float16)
+    assert "bfloat16" in pack_unavailable_reason("cpu", torch.bfloat16)  # already oneDNN: nothing to gain
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert pack_unavailable_reason("cpu", torch.float32) == f"{ENV_SWITCH}=0"
 
