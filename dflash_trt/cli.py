@@ -11,7 +11,9 @@ import sys
 
 import click
 
+from dflash_trt.config import field_help
 from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.quickstart import QuickstartConfig
 
 
 DEVICE_HELP = "auto (the CUDA GPU where PyTorch sees one, else the CPU) | cpu | cuda | cuda:N"
@@ -154,13 +156,16 @@ def print_stats(res, block_size: int, temperature: float) -> None:
 @click.option("--prompt", default=None, help="Prompt to answer (default: a small coding task).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--retrain", is_flag=True, help="Ignore the bundled drafter; train one here with the quickstart recipe.")
+@click.option("--block-size", "run_block_size", default=4, show_default=True, type=int,
+              help=field_help(QuickstartConfig)["run_block_size"])
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @friendly_errors
-def quickstart(target, prompt, max_new_tokens, retrain, as_json):
+def quickstart(target, prompt, max_new_tokens, retrain, run_block_size, as_json):
     """Fetch a real model, get (train once, then cache) a drafter, show DFlash's speedup."""
-    from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
+    from dflash_trt.quickstart import print_quickstart, run_quickstart
 
-    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens, retrain=retrain)
+    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens, retrain=retrain,
+                           run_block_size=run_block_size)
     if prompt:
         cfg.prompt = prompt
     res = run_quickstart(cfg)
