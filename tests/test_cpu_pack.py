@@ -29,8 +29,10 @@ def test_packed_linear_matches_linear(bias, shape):
     torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
     assert packed(x).shape == (*shape[:-1], 40)
     assert dict(packed.named_parameters()) == {} and packed.state_dict() == {}  # nothing to train or save
+    twin = copy.deepcopy(packed)  # e.g. a drafter bound to a packed target deep-copies the target too
+    torch.testing.assert_close(twin(x), packed(x), atol=0, rtol=0)
     assert packed.weight is None  # the dense copy is dropped ...
-    assert PackedLinear(lin, keep_dense=True).weight.data_ptr() == lin.weight.data_ptr()  # ... or shared, not copied
+    assert PackedLinear(lin, keep_dense=True).weight is lin.weight  # ... or shared, not copied
 
 
 @needs_onednn
@@ -85,3 +87,16 @@ def test_load_target_packs_for_inference_only(tmp_path, monkeypatch):
     assert not load_target(folder, "float32", progress=False, device="cpu")[0].packed
     with pytest.raises(DFlashError, match=f"cannot pack the target's CPU weights: {ENV_SWITCH}=0"):
         load_target(folder, "float32", progress=False, device="cpu", packed=True)
+
+
+@needs_onednn
+def test_tied_head_stays_tied_through_deepcopy():
+    tied = tiny_target("qwen3", tie_word_embeddings=True)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    pack_target(tied)
+    assert tied.lm_head.weight is tied.embed_tokens.weight  # the drafter's head reads the embedding, no copy
+    twin = copy.deepcopy(tied)
+    assert twin.lm_head.weight is twin.embed_tokens.weight is not tied.embed_tokens.weight
+    ids = torch.randint(0, 256, (1, 5))
+    torch.testing.assert_close(twin.forward(ids, twin.new_cache(1, 8)).logits,
+                               tied.forward(ids, tied.new_cache(1, 8)).logits, atol=0, rtol=0)

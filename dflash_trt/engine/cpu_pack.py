@@ -53,12 +53,26 @@ class PackedLinear(nn.Module):
         self._packed_w = w.to_mkldnn()
         self._packed_b = None if linear.bias is None else linear.bias.detach().to_mkldnn()
         self._dtype = w.dtype
-        self.weight = w if keep_dense else None  # plain attribute: not a parameter, not in state_dict
+        # the original tensor (not registered here, so not in state_dict): a tied embedding stays shared
+        object.__setattr__(self, "weight", linear.weight if keep_dense else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
         y = torch._C._nn.mkldnn_linear(x2.to_mkldnn(), self._packed_w, self._packed_b).to_dense()
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo) -> "PackedLinear":
+        # oneDNN tensors have no storage for copy.deepcopy to copy: rebuild from their dense form
+        import copy
+
+        lin = nn.Linear(self.in_features, self.out_features, bias=self._packed_b is not None, dtype=self._dtype)
+        with torch.no_grad():
+            # a kept dense weight goes through memo, so a tied embedding stays tied in the copy
+            w = copy.deepcopy(self.weight, memo) if self.weight is not None else self._packed_w.to_dense()
+            lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+            if self._packed_b is not None:
+                lin.bias.copy_(self._packed_b.to_dense())
+        return PackedLinear(lin, keep_dense=self.weight is not None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
