@@ -156,7 +156,7 @@ def print_stats(res, block_size: int, temperature: float) -> None:
 @click.option("--prompt", default=None, help="Prompt to answer (default: a small coding task).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--retrain", is_flag=True, help="Ignore the bundled drafter; train one here with the quickstart recipe.")
-@click.option("--block-size", "run_block_size", default=4, show_default=True, type=int,
+@click.option("--block-size", "run_block_size", default=None, type=int,
               help=field_help(QuickstartConfig)["run_block_size"])
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @friendly_errors

@@ -27,7 +27,7 @@ class QuickstartConfig:
     num_prompts: int = 64  # training prompts (standard-library docstrings)
     response_tokens: int = 96  # tokens the target writes per training prompt
     block_size: int = 8  # the drafter's trained block size (which bundled drafter; the recipe's)
-    run_block_size: int = 4  # block run at generation, at most block_size: a smaller verify pays on a CPU
+    run_block_size: int | None = None  # block run at generation, at most block_size; default 4 on a CPU (a smaller verify pays there), else block_size
     num_layers: int = 1
     epochs: int = 2
     max_new_tokens: int = 128
@@ -35,7 +35,7 @@ class QuickstartConfig:
     retrain: bool = False  # ignore the bundled drafter and run the training recipe here
 
     def __post_init__(self):
-        if self.run_block_size < 2:
+        if self.run_block_size is not None and self.run_block_size < 2:
             raise ConfigError(f"run_block_size={self.run_block_size}: a block holds the last verified token and at "
                               f"least one draft, so use 2 or more (4 is the CPU default)")
 
@@ -83,7 +83,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
     drafter = load_drafter(target, str(drafter_dir))
     # fewer MASK slots than trained: with packed CPU weights the bundled B=8 drafter on the quickstart
     # prompt gave 1.31x / 1.25x at block 4 / 8 (README, "CPU speed")
-    set_block_size(drafter, min(cfg.run_block_size, drafter.block_size))
+    run_b = cfg.run_block_size or (4 if target.device.type == "cpu" else drafter.block_size)
+    set_block_size(drafter, min(run_b, drafter.block_size))
     ids = encode(tok, cfg.prompt, chat=True)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids(tok))
     generate(target, drafter, [ids], SamplingParams(max_new_tokens=4))  # warm-up

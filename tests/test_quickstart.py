@@ -23,7 +23,7 @@ def tiny_setup(tmp_path, monkeypatch):
     return folder
 
 
-@pytest.mark.parametrize("run_block, used", [(3, 3), (6, 6), (16, 6)])  # 16 > trained 6: the trained block
+@pytest.mark.parametrize("run_block, used", [(3, 3), (6, 6), (16, 6), (None, 4)])  # 16 > trained 6; None: 4 on CPU
 def test_quickstart_runs_at_the_block_asked(tiny_setup, run_block, used):
     res = run_quickstart(QuickstartConfig(target=tiny_setup, max_new_tokens=12, repeats=1, run_block_size=run_block))
     assert res["block_size"] == used and res["identical"]
