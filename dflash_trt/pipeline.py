@@ -106,6 +106,10 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
 
     dev = resolve_device(device)  # before any download: a wrong --device fails at once
     torch_dtype = parse_dtype(dtype, for_training, dev)
+    if packed is None:
+        packed = not for_training and pack_unavailable_reason(dev, torch_dtype) is None
+    elif packed and (why := pack_unavailable_reason(dev, torch_dtype)):  # also before loading anything
+        raise DFlashError(f"cannot pack the target's CPU weights: {why}")
     path = resolve_target_dir(name_or_dir, progress)
     from dflash_trt.build.simulate import is_quantized_dir, load_quantized_target
 
@@ -113,10 +117,6 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
         target = load_quantized_target(path, torch_dtype).to(dev)
     else:
         target = TargetModel.from_pretrained(path, dtype=torch_dtype, device=dev)
-    if packed is None:
-        packed = not for_training and pack_unavailable_reason(dev, torch_dtype) is None
-    elif packed and (why := pack_unavailable_reason(dev, torch_dtype)):
-        raise DFlashError(f"cannot pack the target's CPU weights: {why}")
     if packed:
         pack_target(target)
     return target, path

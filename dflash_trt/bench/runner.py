@@ -116,7 +116,7 @@ class BenchContext:
         path = resolve_target_dir(self.assistant)
         dtype = parse_dtype(self.cfg.dtype, device=self.device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
-        if getattr(self.target, "packed", False):  # the assistant runs on the same CPU GEMMs as the target
+        if self.target.packed:  # the assistant runs on the same CPU GEMMs as the target
             from dflash_trt.engine.cpu_pack import pack_hf_model
 
             pack_hf_model(model)

@@ -18,6 +18,7 @@ fewer decode steps, which is what speculative decoding on a CPU pays for.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -64,8 +65,6 @@ class PackedLinear(nn.Module):
 
     def __deepcopy__(self, memo) -> "PackedLinear":
         # oneDNN tensors have no storage for copy.deepcopy to copy: rebuild from their dense form
-        import copy
-
         lin = nn.Linear(self.in_features, self.out_features, bias=self._packed_b is not None, dtype=self._dtype)
         with torch.no_grad():
             # a kept dense weight goes through memo, so a tied embedding stays tied in the copy
