@@ -17,6 +17,9 @@ from dflash_trt.quickstart import QuickstartConfig
 
 
 DEVICE_HELP = "auto (the CUDA GPU where PyTorch sees one, else the CPU) | cpu | cuda | cuda:N"
+DRAFT_CUTOFF_HELP = ("Verify only the leading drafts whose running product of drafter probabilities is at least "
+                     "this (0: every draft). Output is unchanged; on a CPU, where verify cost grows with its "
+                     "width, it skips drafts that would be rejected anyway.")
 
 
 def friendly_errors(fn):
@@ -33,12 +36,21 @@ def friendly_errors(fn):
 
 def parse_ints(value: str | None, flag: str) -> list[int]:
     """A comma-separated integer option ("4,8,16") -> [4, 8, 16]; [] when not given."""
+    return _parse_list(value, flag, int, "integers, e.g. 4,8,16")
+
+
+def parse_floats(value: str | None, flag: str) -> list[float]:
+    """A comma-separated number option ("0,0.1") -> [0.0, 0.1]; [] when not given."""
+    return _parse_list(value, flag, float, "numbers, e.g. 0,0.1,0.3")
+
+
+def _parse_list(value, flag, kind, example):
     if not value:
         return []
     try:
-        return [int(v) for v in value.replace(" ", "").split(",") if v]
+        return [kind(v) for v in value.replace(" ", "").split(",") if v]
     except ValueError:
-        raise ConfigError(f"{flag} {value!r}: expected comma-separated integers, e.g. 4,8,16") from None
+        raise ConfigError(f"{flag} {value!r}: expected comma-separated {example}") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -103,10 +115,12 @@ def models_list():
 @click.option("--cuda-graph", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Replay the drafter step from a CUDA graph (needs the Triton kernels on a GPU; auto = when "
                    "they run).")
+@click.option("--draft-cutoff", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True),
+              help=DRAFT_CUTOFF_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top_p, top_k, max_new_tokens,
-             block_size, seed, dtype, device, baseline, kernels, cuda_graph, as_json):
+             block_size, seed, dtype, device, baseline, kernels, cuda_graph, draft_cutoff, as_json):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
@@ -120,7 +134,7 @@ def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                             seed=seed, stop_token_ids=stop_ids(tok))
     res = run_generate(tgt, drafter, tok, ids, params, baseline=baseline, kernels=kernels,
-                       cuda_graph=cuda_graph)
+                       cuda_graph=cuda_graph, draft_cutoff=draft_cutoff)
     if as_json:
         click.echo(json.dumps({"text": res.text, "tokens": res.tokens, "stats": res.stats,
                                "baseline_stats": res.baseline_stats, "speedup": res.speedup,

@@ -216,11 +216,13 @@ class Comparison:
 
 
 def run_generate(target, drafter, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 baseline: bool = False, kernels: str = "auto", cuda_graph: str = "auto") -> Comparison:
+                 baseline: bool = False, kernels: str = "auto", cuda_graph: str = "auto",
+                 draft_cutoff: float = 0.0) -> Comparison:
     """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
     from dflash_trt.spec.loop import generate, generate_baseline
 
-    out = generate(target, drafter, [prompt_ids], params, kernels=kernels, cuda_graph=cuda_graph)
+    out = generate(target, drafter, [prompt_ids], params, kernels=kernels, cuda_graph=cuda_graph,
+                   draft_cutoff=draft_cutoff)
     toks = out.tokens[0]
     cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())
     if baseline:

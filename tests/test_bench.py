@@ -166,6 +166,19 @@ def test_bench_config_validation():
         BenchConfig(target="x", methods=["baseline", "nope"])
     r = CliRunner().invoke(main, ["bench", "--target", "x", "--sweep-block-sizes", "4,eight"])
     assert r.exit_code == 2 and "comma-separated integers" in r.output
+    with pytest.raises(DFlashError, match="draft_cutoff=1.0"):
+        BenchConfig(target="x", draft_cutoff=1.0)
+
+
+def test_bench_draft_cutoff_is_used_and_recorded(setup, tmp_path):
+    """An untrained drafter is never sure at cutoff 0.5: every dflash step verifies the last token alone
+    (one token per pass), outputs stay exact, and the report says which cutoff ran."""
+    rep = run_bench(config(setup, tmp_path, methods=["baseline", "hf", "dflash"], draft_cutoff=0.5, plots=False),
+                    say=lambda m: None, progress=False)
+    d = {r["method"]: r for r in rep["rows"]}["dflash"]
+    assert rep["mismatches"] == [] and d["exact"] == "yes"
+    assert d["tau"] == 1.0 and d["accept_hist"][2:] == [0, 0, 0]
+    assert "draft cutoff 0.5" in (tmp_path / "bench.md").read_text()
 
 
 def test_summary_of_runs():

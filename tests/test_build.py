@@ -131,6 +131,7 @@ def _other_target_drafter(root: Path) -> Path:
     ("incompatible_drafter", "hidden_size"),
     ("nvfp4_on_hopper", "target_quant=nvfp4"),
     ("missing_tokenizer", "tokenizer="),
+    ("draft_cutoff", "draft_cutoff=1.0"),
 ])
 def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
     root, _ = pair
@@ -143,6 +144,8 @@ def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
         fields["drafter"] = str(_other_target_drafter(root))
     elif case == "nvfp4_on_hopper":
         fields.update(target_quant="nvfp4", sm="sm_90")
+    elif case == "draft_cutoff":
+        fields["draft_cutoff"] = 1.0
     else:
         fields["tokenizer"] = str(root / "drafter")  # a folder without tokenizer files
     r = cli("check", "--config", write_yaml(tmp_path / "b.yaml", **fields))

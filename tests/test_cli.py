@@ -38,6 +38,17 @@ def test_generate_json_matches_baseline(pair):
     assert res["stats"]["tau"] >= 1.0 and res["speedup"] > 0
 
 
+def test_generate_with_draft_cutoff_matches_baseline(pair):
+    root, target = pair
+    r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "def add", "--max-new-tokens",
+            12, "--baseline", "--json", "--dtype", "float32", "--draft-cutoff", 0.5)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["identical_to_baseline"] is True
+    # an untrained drafter is never this sure: every step verifies the last token alone
+    assert res["stats"]["num_draft_tokens"] == 0 and res["stats"]["tau"] == 1.0
+
+
 def test_generate_text_output_and_stats(pair):
     root, target = pair
     r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "hello", "--no-chat",
@@ -57,6 +68,7 @@ def test_no_drafter_explains_how_to_get_one(pair):
     (["--block-size", "1"], "--block-size 1: must be >= 2"),
     (["--temperature", "-1"], "temperature=-1.0"),
     (["--top-p", "0"], "top_p=0.0"),
+    (["--draft-cutoff", "1"], "--draft-cutoff"),
 ])
 def test_bad_flags_one_line_errors(pair, args, needle):
     root, target = pair

@@ -63,6 +63,9 @@ def test_draft_logits_cover_only_the_vocab():
     hidden = d.draft_block(torch.tensor([[5, 1, 1, 1], [6, 1, 1, 1]]), cache)[:, 1:]
     full = t.lm_head(hidden)
     torch.testing.assert_close(logits[..., VOCAB], full[..., VOCAB], atol=1e-5, rtol=1e-5)
+    compact = d.draft_logits(torch.tensor([[5, 1, 1, 1], [6, 1, 1, 1]]), cache, full_vocab=False)  # [2, 3, Vd]
+    assert torch.equal(compact, logits[..., VOCAB])  # the engine's greedy path: same logits, no scatter
+    assert torch.equal(d.draft_vocab[compact.argmax(-1)], logits.argmax(-1))
 
 
 def test_loss_is_cross_entropy_over_the_vocab():
@@ -84,12 +87,14 @@ def test_loss_is_cross_entropy_over_the_vocab():
     assert out.accuracy[1] == 0
 
 
-def test_greedy_generation_equals_baseline():
+@pytest.mark.parametrize("cutoff", [0.0, 0.2])
+def test_greedy_generation_equals_baseline(cutoff):
     t = tiny_target("llama")
     d = _drafter(t, B=4)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     params = SamplingParams(max_new_tokens=20)
-    assert generate(t, d, prompts, params).tokens == generate_baseline(t, prompts, params).tokens
+    out = generate(t, d, prompts, params, draft_cutoff=cutoff)
+    assert out.tokens == generate_baseline(t, prompts, params).tokens
 
 
 def test_sampled_distribution_equals_target_with_zero_draft_mass():

@@ -237,13 +237,13 @@ def _greedy_case(R, B, V, seed):
     logits[0, 0] = 0.0  # an all-tie row: argmax must take the first index
     am = logits.argmax(-1)
     draft = torch.cat([torch.randint(0, V, (R, 1), generator=g), am[:, :-1]], dim=1)  # all drafts match
-    for r in range(1, R):  # then break row r at a random slot (row 0 stays fully accepted)
+    for r in range(1, R if B > 1 else 1):  # then break row r at a random slot (row 0 stays fully accepted)
         k = int(torch.randint(1, B, (1,), generator=g))
         draft[r, k] = (draft[r, k] + 1 + r) % V
     return draft, logits, am
 
 
-@pytest.mark.parametrize("R,B,V", [(1, 2, 50), (3, 8, 37), (4, 16, 300)])
+@pytest.mark.parametrize("R,B,V", [(1, 2, 50), (3, 8, 37), (4, 16, 300), (2, 1, 50)])
 def test_greedy_accept_matches_verify(R, B, V):
     draft, logits, am = _greedy_case(R, B, V, seed=B)
     ref = verify.greedy_accept(draft, am)
@@ -255,7 +255,7 @@ def test_greedy_accept_matches_verify(R, B, V):
     assert int(verify.greedy_accept(draft, am).accepted[0]) == B - 1
 
 
-@pytest.mark.parametrize("R,B,V", [(1, 2, 50), (4, 8, 37), (4, 16, 300)])
+@pytest.mark.parametrize("R,B,V", [(1, 2, 50), (4, 8, 37), (4, 16, 300), (3, 1, 37)])
 def test_rejection_accept_matches_verify(R, B, V):
     g = torch.Generator().manual_seed(V)
     p = torch.softmax(torch.randn(R, B, V, generator=g) * 2, -1)
@@ -263,8 +263,9 @@ def test_rejection_accept_matches_verify(R, B, V):
     draft = torch.randint(0, V, (R, B), generator=g)
     u_accept = torch.rand(R, B - 1, generator=g) * 0.2
     u_sample = torch.rand(R, generator=g)
+    # B = 1: no drafts (a gated step, spec/draft_length.py), the bonus is a plain sample from p[0]
     u_accept[0] = 0.0  # row 0: every draft with p > 0 accepted -> bonus from p[B-1]
-    if R > 1:
+    if R > 1 and B > 1:
         q[1, 0], u_accept[1, 0] = p[1, 0], 1.0 - 1e-7  # row 1: rejected where p == q -> empty residual
     if R > 2:
         u_sample[2] = 1.0 - 1e-7  # row 2: sample at the very top of the CDF (clamp to V-1 path)

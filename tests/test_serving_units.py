@@ -12,6 +12,7 @@ import torch
 from conftest import tiny_drafter, tiny_model_dir, tiny_target, tiny_tokenizer
 
 from dflash_trt.config import SamplingParams
+from dflash_trt.engine.target import TargetModel
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
 from dflash_trt.serving.protocol import (
@@ -247,6 +248,15 @@ def test_engine_loader_names_missing_files(tmp_path):
         load_engine_factory(str(tmp_path / "target"), str(tmp_path / "nodrafter"))
     with pytest.raises(DFlashError, match="engine_backend"):
         load_engine_factory(str(tmp_path / "target"), str(tmp_path), engine_backend="trt")
+    with pytest.raises(DFlashError, match="draft_cutoff=1.5"):
+        load_engine_factory(str(tmp_path / "target"), str(tmp_path), draft_cutoff=1.5)
+
+
+def test_engine_loader_passes_the_draft_cutoff(tmp_path):
+    target = TargetModel.from_pretrained(tiny_model_dir(tmp_path / "target"), dtype=torch.float32)
+    tiny_drafter(target).save_pretrained(tmp_path / "drafter")
+    make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "drafter"), dtype="float32", draft_cutoff=0.25)
+    assert make().draft_cutoff == 0.25
 
 
 # ---- model repository -------------------------------------------------------------------------
@@ -262,6 +272,7 @@ def test_fill_model_repo(tmp_path):
         text = (out / m / "config.pbtxt").read_text()
         assert "${" not in text and (out / m / "1").is_dir()
     assert f'string_value: "{(tmp_path / "t").resolve()}"' in (out / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "draft_cutoff" value: { string_value: "0.0" }' in (out / "dflash" / "config.pbtxt").read_text()
     # a missing value is refused, naming the placeholder and its file; nothing is written
     partial = dict(values)
     del partial["drafter_dir"]

@@ -56,6 +56,22 @@ def test_rejection_sampling_matches_target_distribution():
     assert chi2_pvalue(counts2, p[1]) > 1e-3
 
 
+def test_no_drafts_is_a_plain_step():
+    """A block of the last token alone (a gated step with no sure draft): greedy gives the argmax,
+    rejection sampling a sample from p by the same inverse CDF as sample_tokens."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 1, 7, generator=gen)
+    block = torch.randint(0, 7, (3, 1), generator=gen)
+    v = greedy_accept(block, logits.argmax(-1))
+    assert v.accepted.tolist() == [0, 0, 0] and torch.equal(v.bonus, logits[:, 0].argmax(-1))
+    p = logits.softmax(-1)
+    u = torch.tensor([0.0, 0.5, 1.0 - 1e-7])
+    v = rejection_accept(block, p, p[:, :0], torch.rand(3, 0), u)
+    cdf = p[:, 0].cumsum(-1)
+    want = [int((cdf[r] <= u[r] * cdf[r, -1]).sum().clamp(max=6)) for r in range(3)]
+    assert v.accepted.tolist() == [0, 0, 0] and v.bonus.tolist() == want
+
+
 def test_rejection_with_q_equal_p_accepts_all():
     V, B = 5, 4
     p = torch.softmax(torch.randn(1, B, V), -1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_trt.cli import DEVICE_HELP, friendly_errors, parse_ints
+from dflash_trt.cli import DEVICE_HELP, DRAFT_CUTOFF_HELP, friendly_errors, parse_ints
 
 
 def _names(value: str) -> list[str]:
@@ -34,6 +34,7 @@ def _names(value: str) -> list[str]:
 @click.option("--methods", default=",".join(("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash",
                                              "dflash-triton")), show_default=True, help="Comma-separated.")
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
+@click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
@@ -50,7 +51,7 @@ def _names(value: str) -> list[str]:
 @click.option("--quiet", is_flag=True, help="No per-prompt progress lines.")
 @friendly_errors
 def bench(target, drafter, random_drafter, assistant, datasets, num_prompts, max_new_tokens, max_prompt_tokens, chat,
-          temperature, seed, methods, block_size, out_dir, dtype, device, warmup, prompt_lookup_tokens, triton_url,
+          temperature, seed, methods, block_size, draft_cutoff, out_dir, dtype, device, warmup, prompt_lookup_tokens, triton_url,
           sweep_block_sizes, sweep_prompt_lengths, sweep_concurrency, plots, threads, quiet):
     """Benchmark DFlash against the target alone (ours and HF generate), HF assisted generation and
     HF prompt lookup decoding on the same prompts, interleaved per prompt; checks exactness.
@@ -66,7 +67,7 @@ def bench(target, drafter, random_drafter, assistant, datasets, num_prompts, max
     cfg = BenchConfig(target=target, drafter=drafter, random_drafter=random_drafter, assistant=assistant,
                       datasets=list(datasets), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                       max_prompt_tokens=max_prompt_tokens, chat=chat, temperature=temperature, seed=seed,
-                      methods=_names(methods), block_size=block_size, out_dir=out_dir, dtype=dtype, device=device,
+                      methods=_names(methods), block_size=block_size, draft_cutoff=draft_cutoff, out_dir=out_dir, dtype=dtype, device=device,
                       warmup=warmup, prompt_lookup_tokens=prompt_lookup_tokens, triton_url=triton_url,
                       sweep_block_sizes=parse_ints(sweep_block_sizes, "--sweep-block-sizes"),
                       sweep_prompt_lengths=parse_ints(sweep_prompt_lengths, "--sweep-prompt-lengths"),

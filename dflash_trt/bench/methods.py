@@ -130,7 +130,7 @@ class DFlash(Method):
         from dflash_trt.spec.loop import generate
 
         t0 = time.perf_counter()
-        res = generate(self.ctx.target, self.drafter, [item.ids], params)
+        res = generate(self.ctx.target, self.drafter, [item.ids], params, draft_cutoff=self.ctx.cfg.draft_cutoff)
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
         s, toks = res.stats, res.tokens[0]

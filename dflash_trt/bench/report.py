@@ -195,7 +195,8 @@ def render_markdown(rep: dict) -> str:
     lines = [f"# DFlash benchmark: {Path(cfg['target']).name}", "",
              f"device {env['device']} ({env['cuda'] or env['machine']}), {env['dtype']}, torch {env['torch']}, "
              f"transformers {env['transformers']}; temperature {cfg['temperature']}, max_new_tokens "
-             f"{cfg['max_new_tokens']}, chat {'on' if cfg['chat'] else 'off'}, reference `{rep['reference']}`", "",
+             f"{cfg['max_new_tokens']}, chat {'on' if cfg['chat'] else 'off'}, reference `{rep['reference']}`"
+             + (f", dflash draft cutoff {cfg['draft_cutoff']:g}" if cfg.get("draft_cutoff") else ""), "",
              markdown(rep["rows"])]
     for name, why in rep["skipped"].items():
         lines.append(f"- skipped `{name}`: {why}")

@@ -49,6 +49,7 @@ class BenchConfig:
     seed: int = 0
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     block_size: int | None = None
+    draft_cutoff: float = 0.0  # dflash: verify only the drafts the drafter is this sure of (spec/draft_length.py)
     out_dir: str = "bench_out"
     dtype: str = "auto"
     device: str = "auto"
@@ -74,6 +75,8 @@ class BenchConfig:
             raise ConfigError(f"temperature={self.temperature}: must be >= 0")
         if any(b < 2 for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else [])):
             raise ConfigError("block sizes must be >= 2")
+        if not 0.0 <= self.draft_cutoff < 1.0:
+            raise ConfigError(f"draft_cutoff={self.draft_cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
 
 
 class BenchContext:

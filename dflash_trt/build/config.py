@@ -45,6 +45,7 @@ class BuildConfig:
     chat: bool = True  # served prompts go through the tokenizer's chat template (when it has one); requests can override
     decoupled: bool = True  # also serve the streaming (decoupled) entry points dflash_bls and ensemble
     cpu_threads: int = 0  # torch intra-op threads of the served engine process (0 = torch's default)
+    draft_cutoff: float = 0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
     eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
@@ -67,6 +68,8 @@ class BuildConfig:
         for name in ("cpu_threads", "eval_prompts", "calib_prompts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        if not 0.0 <= self.draft_cutoff < 1.0:
+            raise ConfigError(f"draft_cutoff={self.draft_cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token plus one output)")
         if self.quantized and self.calib_prompts < 1:

@@ -61,7 +61,7 @@ STAGES = (
           ("check", "quantize", "convert")),
     Stage("repo", S.stage_repo, ("model_repo",),
           ("backend", "max_batch", "max_seq_len", "dtype", "triton_max_batch_size", "instance_count", "chat", "decoupled",
-           "cpu_threads"), ("engine",)),
+           "cpu_threads", "draft_cutoff"), ("engine",)),
     Stage("emit", S.stage_emit, ("serve",), ("emit", "tp_size", "max_batch", "max_seq_len", "kv_cache"),
           ("check", "quantize"), lambda c: bool(c.emit)),
     Stage("eval", S.stage_eval, ("eval",), ("eval_prompts", "eval_source", "eval_max_new_tokens", "dtype", "max_seq_len"),

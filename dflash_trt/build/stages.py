@@ -219,6 +219,7 @@ def stage_repo(ctx: Context) -> dict:
                             engine_backend=cfg.backend, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len,
                             dtype=cfg.dtype, triton_max_batch_size=cfg.triton_max_batch_size,
                             unary_instance_count=cfg.instance_count, cpu_threads=cfg.cpu_threads,
+                            draft_cutoff=cfg.draft_cutoff,
                             apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))))
     repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)
     if not cfg.decoupled:

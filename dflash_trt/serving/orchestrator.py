@@ -269,7 +269,7 @@ class Orchestrator:
 
 
 def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str = "torch", max_batch: int = 16,
-                        max_seq_len: int = 2048, dtype: str = "auto") -> Callable[[], object]:
+                        max_seq_len: int = 2048, dtype: str = "auto", draft_cutoff: float = 0.0) -> Callable[[], object]:
     """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
     failure). Missing or mismatched folders raise DFlashError naming the file."""
     from pathlib import Path
@@ -279,6 +279,8 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
                           f"(TensorRT-LLM engines are served by their own backend)")
     if max_batch < 1 or max_seq_len < 2:
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
+    if not 0.0 <= draft_cutoff < 1.0:
+        raise DFlashError(f"draft_cutoff={draft_cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
     from dflash_trt.pipeline import load_drafter, load_target
     from dflash_trt.spec.engine import SpecEngine
 
@@ -292,4 +294,5 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
     drafter = load_drafter(target, str(drafter_dir)).eval()
     # cuda_graph off: under continuous batching the rows change almost every step and each change
     # would recapture the graph (engine/cuda_graph.py), costing more than replay saves
-    return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off")
+    return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off",
+                              draft_cutoff=draft_cutoff)

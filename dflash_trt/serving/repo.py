@@ -7,8 +7,8 @@ each missing one and its file), writes into a temp folder beside the destination
 into place, so a failed fill never leaves a half-written repository.
 
 Placeholders: target_dir, drafter_dir, tokenizer_dir, engine_backend, max_batch, max_seq_len,
-dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads
-(`default_values()`).
+dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads,
+draft_cutoff (`default_values()`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def default_values(target_dir: str | Path, drafter_dir: str | Path, tokenizer_di
         "triton_max_batch_size": 64,
         "unary_instance_count": 2,
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
+        "draft_cutoff": 0.0,  # spec/draft_length.py; 0 = verify every draft
     }
     unknown = set(overrides) - set(values)
     if unknown:

@@ -22,6 +22,7 @@ from dflash_trt.config import SamplingParams
 from dflash_trt.engine import fast_path
 from dflash_trt.engine.cuda_graph import GraphedPropose, cuda_capture
 from dflash_trt.errors import DFlashError
+from dflash_trt.spec.draft_length import check_cutoff, draft_lengths
 from dflash_trt.spec.verify import Verdict, sample_tokens, warp_logits
 
 
@@ -43,9 +44,10 @@ class RequestStats:
         self.accept_hist = self.accept_hist or [0] * (self.block_size + 1)
         self.accepted_at = self.accepted_at or [0] * (self.block_size - 1)
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, drafted: int) -> None:
+        """One verify step that checked `drafted` drafts and kept `accepted` of them."""
         self.num_verify_steps += 1
-        self.num_draft_tokens += self.block_size - 1
+        self.num_draft_tokens += drafted
         self.num_accepted_draft_tokens += accepted
         self.accept_hist[accepted + 1] += 1
         for i in range(accepted):
@@ -86,11 +88,13 @@ class _Request:
 
 class SpecEngine:
     def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None,
-                 kernels: str = "auto", cuda_graph: str = "auto", _capture=None):
+                 kernels: str = "auto", cuda_graph: str = "auto", draft_cutoff: float = 0.0, _capture=None):
         """kernels: "auto" | "triton" | "torch" (see engine/fast_path.py): the drafter's context
         injection and block attention and the acceptance step on the Triton kernels or PyTorch.
         cuda_graph: "auto" | "on" | "off": replay the drafter's propose step from a CUDA graph
         (engine/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
+        draft_cutoff: verify only the leading drafts whose cumulative drafter confidence is at least
+        this (spec/draft_length.py); 0 verifies the whole block every step.
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
         self.target, self.drafter = target, drafter
         self.accept_ops = fast_path.accept_ops(kernels, target.device)
@@ -98,6 +102,10 @@ class SpecEngine:
         # (test doubles) have no kernels to run
         self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"
         self.kernels = kernels
+        try:
+            self.draft_cutoff = check_cutoff(draft_cutoff)
+        except ValueError as e:
+            raise DFlashError(str(e)) from None
         self.graphs = self._graphs(cuda_graph, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
@@ -203,37 +211,46 @@ class SpecEngine:
         return outputs
 
     def _round(self) -> None:
-        R, B = len(self.reqs), self.block_size
         t0 = time.perf_counter()
-        block, q = self.propose()
+        block, q, n_draft = self.propose()
         t1 = time.perf_counter()
-        out = self.verify(block)
-        verdict = self.accept(block, out.logits, q)
+        width = int(n_draft.max()) + 1  # rows verify together; a shorter row's extra drafts are not judged
+        out = self.verify(block[:, :width])
+        verdict = self.accept(block[:, :width], out.logits, None if q is None else q[:, :width - 1], n_draft)
         t2 = time.perf_counter()
         self.rewind(verdict, out.taps)
-        accepted, bonus = verdict.accepted.tolist(), verdict.bonus.tolist()
+        accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
         drafts = block[:, 1:].tolist()
         for r, req in enumerate(self.reqs):
             a = accepted[r]
-            req.stats.record(a)
+            req.stats.record(a, drafted[r])
             req.stats.draft_time += t1 - t0
             req.stats.verify_time += t2 - t1
             self._emit(req, drafts[r][:a] + [bonus[r]])
         self._drop_finished()
 
-    def propose(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Inject last round's target features, draft a block. -> block [R, B], q [R, B-1, V] or None."""
+    def propose(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Inject last round's target features, draft a block.
+        -> block [R, B], q [R, B-1, V] or None (all rows greedy), drafts to verify per row [R]."""
         R, B = len(self.reqs), self.block_size
+        greedy = all(r.params.greedy for r in self.reqs)
+        vocab = getattr(self.drafter, "draft_vocab", None)  # ids of the drafter's logit columns (None: all)
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
+            vocab = None
         else:
             self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
             block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
             block[:, 0] = self.last
-            logits = self.drafter.draft_logits(block, self.dcache)  # [R, B-1, V]
-        if all(r.params.greedy for r in self.reqs):
-            block[:, 1:] = logits.argmax(-1)
-            return block, None
+            if greedy and vocab is not None:  # greedy drafts need only the draft vocabulary's columns
+                logits = self.drafter.draft_logits(block, self.dcache, full_vocab=False)  # [R, B-1, Vd]
+            else:
+                logits, vocab = self.drafter.draft_logits(block, self.dcache), None  # [R, B-1, V]
+        gated = self.draft_cutoff > 0
+        if greedy:
+            col = logits.argmax(-1)  # draft vocabularies are sorted ids: ties resolve as over V
+            block[:, 1:] = col if vocab is None else vocab[col]
+            return block, None, self._lengths(_chosen_prob(logits, col) if gated else None, R)
         q = torch.zeros_like(logits)
         for r, req in enumerate(self.reqs):
             if req.params.greedy:  # a one-hot q makes rejection sampling exactly greedy acceptance
@@ -241,32 +258,54 @@ class SpecEngine:
             else:
                 q[r] = warp_logits(logits[r], req.params)
                 block[r, 1:] = sample_tokens(q[r], req.generator)
-        return block, q
+        conf = None
+        if gated:  # a sampled row's confidence is q's top probability, never q of the sampled draft (lossless)
+            conf = torch.stack([_chosen_prob(logits[r], block[r, 1:]) if req.params.greedy
+                                else q[r].max(-1).values for r, req in enumerate(self.reqs)])
+        return block, q, self._lengths(conf, R)
+
+    def _lengths(self, conf: torch.Tensor | None, R: int) -> torch.Tensor:
+        if conf is None:
+            return torch.full((R,), self.block_size - 1, dtype=torch.long, device=self.last.device)
+        return draft_lengths(conf, self.draft_cutoff)
 
     def verify(self, block: torch.Tensor):
-        """The target scores the whole block in one pass (logits [R, B, V], taps [R, B, taps*d])."""
+        """The target scores the block (the last token and the drafts to verify) in one pass:
+        block [R, W] -> logits [R, W, V], taps [R, W, taps*d]."""
         return self.target.forward(block, self.tcache, self.tap_layers)
 
-    def accept(self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None) -> Verdict:
+    def accept(self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
+               n_draft: torch.Tensor) -> Verdict:
+        """block [R, W], logits [R, W, V], q [R, W-1, V] or None; row r judges its first n_draft[r] drafts."""
         ops = self.accept_ops  # spec/verify.py, or the Triton accept kernels
+        W = block.shape[1]
         if q is None:
-            return ops.greedy(block, logits)
+            v = ops.greedy(block, logits)
+            if bool((n_draft < W - 1).any()):  # a row stops at its own length; its bonus comes from there
+                acc = torch.minimum(v.accepted, n_draft)
+                rows = torch.arange(block.shape[0], device=block.device)
+                v = Verdict(acc, logits[rows, acc].argmax(-1))
+            return v
         accepted, bonus = [], []
         for r, req in enumerate(self.reqs):
+            n = int(n_draft[r]) + 1
             if req.params.greedy:
-                v = ops.greedy(block[r:r + 1], logits[r:r + 1])
+                v = ops.greedy(block[r:r + 1, :n], logits[r:r + 1, :n])
             else:
-                p = warp_logits(logits[r], req.params)
+                p = warp_logits(logits[r, :n], req.params)
                 u = torch.rand(self.block_size, generator=req.generator, device=logits.device)
-                v = ops.rejection(block[r:r + 1], p[None], q[r:r + 1], u[None, :-1], u[-1:])
+                v = ops.rejection(block[r:r + 1, :n], p[None], q[r:r + 1, :n - 1], u[None, :n - 1], u[-1:])
             accepted.append(v.accepted)
             bonus.append(v.bonus)
         return Verdict(torch.cat(accepted), torch.cat(bonus))
 
     def rewind(self, verdict: Verdict, taps: torch.Tensor) -> None:
-        """Crop the target cache to the accepted prefix; queue its features for the drafter."""
-        B = self.block_size
-        self.tcache.crop(self.tcache.lengths - B + verdict.accepted + 1)
+        """Crop the target cache to the accepted prefix; queue its features for the drafter
+        (padded to the block width, the shape the drafter's step and its CUDA graph take)."""
+        R, W = taps.shape[:2]
+        self.tcache.crop(self.tcache.lengths - W + verdict.accepted + 1)
+        if W < self.block_size:
+            taps = torch.cat([taps, taps.new_zeros(R, self.block_size - W, taps.shape[2])], dim=1)
         self.pending, self.pending_n = taps, verdict.accepted + 1
         self.last = verdict.bonus
 
@@ -306,6 +345,12 @@ class SpecEngine:
     def _report(self, req: _Request) -> RequestOutput:
         new, req.unsent = req.unsent, []
         return RequestOutput(req.request_id, new, req.finish_reason is not None, req.finish_reason, req.stats)
+
+
+def _chosen_prob(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """softmax(logits)[..., ids] without materialising the softmax: logits [..., V], ids [...]."""
+    logits = logits.float()
+    return (logits.gather(-1, ids[..., None]).squeeze(-1) - logits.logsumexp(-1)).exp()
 
 
 def _eos_ids(target) -> frozenset[int]:

@@ -100,15 +100,16 @@ def _row_params(params: SamplingParams, r: int) -> SamplingParams:
 
 def generate(target, drafter, input_ids, params: SamplingParams | None = None,
              max_seq_len: int | None = None, kernels: str = "auto", cuda_graph: str = "auto",
-             _capture=None) -> GenerationResult:
+             draft_cutoff: float = 0.0, _capture=None) -> GenerationResult:
     """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L]).
     kernels: "auto" | "triton" | "torch", the drafter / acceptance backend (engine/fast_path.py);
-    cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (engine/cuda_graph.py)."""
+    cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (engine/cuda_graph.py);
+    draft_cutoff: verify only the drafts the drafter is this sure of (spec/draft_length.py; 0 = all)."""
     params = params or SamplingParams()
     prompts = _as_prompts(input_ids)
     need = max(len(p) for p in prompts) + params.max_new_tokens + 1
     eng = SpecEngine(target, drafter, max_batch=len(prompts), max_seq_len=max_seq_len or need, kernels=kernels,
-                     cuda_graph=cuda_graph, _capture=_capture)
+                     cuda_graph=cuda_graph, draft_cutoff=draft_cutoff, _capture=_capture)
     t0 = time.perf_counter()
     eng.add_requests([(str(r), p, _row_params(params, r)) for r, p in enumerate(prompts)])
     tokens: dict[str, list[int]] = {str(r): [] for r in range(len(prompts))}

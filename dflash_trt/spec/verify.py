@@ -70,7 +70,7 @@ def rejection_accept(
     accepted = ok.cumprod(dim=1).sum(dim=1)  # [R]
     rows = torch.arange(R, device=draft.device)
     p_at = p[rows, accepted]  # [R, V] target distribution at the first rejected (or last) slot
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # all accepted -> residual is p itself
+    q_pad = torch.cat([q, q.new_zeros(R, 1, q.shape[-1])], dim=1)  # all accepted -> residual is p itself
     residual = (p_at - q_pad[rows, accepted]).clamp_(min=0)
     mass = residual.sum(-1, keepdim=True)
     # When p == q at that slot the residual is empty; rejection then had probability 0,

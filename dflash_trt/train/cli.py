@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import DEVICE_HELP, friendly_errors, parse_ints
+from dflash_trt.cli import DEVICE_HELP, friendly_errors, parse_floats, parse_ints
 
 
 def _options_from_dataclass(cls):
@@ -134,14 +134,19 @@ def register(main: click.Group) -> None:
     @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
     @click.option("--block-size", "block_sizes", default=None,
                   help="Comma-separated block sizes to run, e.g. 4,8,16 (default: the drafter's own; at most it).")
+    @click.option("--draft-cutoff", "draft_cutoffs", default=None,
+                  help="Comma-separated draft cutoffs to run, e.g. 0,0.1: verify only the leading drafts whose "
+                       "running product of drafter probabilities is at least this (default 0: every draft).")
     @click.option("--json-out", default=None, help="Also write the results as JSON here.")
     @friendly_errors
-    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device, block_sizes, json_out):
+    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device, block_sizes,
+                 draft_cutoffs, json_out):
         """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
         from dflash_trt.train.evaluate import evaluate, print_eval
 
         res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device=device,
-                       block_sizes=parse_ints(block_sizes, "--block-size") or None)
+                       block_sizes=parse_ints(block_sizes, "--block-size") or None,
+                       draft_cutoffs=parse_floats(draft_cutoffs, "--draft-cutoff") or None)
         print_eval(res)
         if json_out:
             with open(json_out, "w") as f:
