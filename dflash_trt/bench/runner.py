@@ -26,6 +26,7 @@ from dflash_trt.bench.datasets import load_dataset
 from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, Run, neutral_generation_config
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.spec.draft_length import check_cutoff
 
 DEFAULT_METHODS = ("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "dflash-triton")
 
@@ -75,8 +76,7 @@ class BenchConfig:
             raise ConfigError(f"temperature={self.temperature}: must be >= 0")
         if any(b < 2 for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else [])):
             raise ConfigError("block sizes must be >= 2")
-        if not 0.0 <= self.draft_cutoff < 1.0:
-            raise ConfigError(f"draft_cutoff={self.draft_cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
+        check_cutoff(self.draft_cutoff)
 
 
 class BenchContext:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import ConfigError
+from dflash_trt.spec.draft_length import check_cutoff
 
 BACKENDS = ("torch", "tensorrt-llm", "trtllm-pytorch")
 QUANTS = ("bf16", "fp8", "nvfp4")
@@ -68,8 +69,7 @@ class BuildConfig:
         for name in ("cpu_threads", "eval_prompts", "calib_prompts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
-        if not 0.0 <= self.draft_cutoff < 1.0:
-            raise ConfigError(f"draft_cutoff={self.draft_cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
+        check_cutoff(self.draft_cutoff)
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token plus one output)")
         if self.quantized and self.calib_prompts < 1:

@@ -279,10 +279,11 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
                           f"(TensorRT-LLM engines are served by their own backend)")
     if max_batch < 1 or max_seq_len < 2:
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
-    if not 0.0 <= draft_cutoff < 1.0:
-        raise DFlashError(f"draft_cutoff={draft_cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
     from dflash_trt.pipeline import load_drafter, load_target
+    from dflash_trt.spec.draft_length import check_cutoff
     from dflash_trt.spec.engine import SpecEngine
+
+    check_cutoff(draft_cutoff)
 
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
     if not (target_dir / "config.json").is_file():

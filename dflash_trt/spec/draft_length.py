@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.errors import ConfigError
 
-def check_cutoff(cutoff: float) -> float:
+
+def check_cutoff(cutoff: float, name: str = "draft_cutoff") -> float:
+    """The cutoff, or a ConfigError naming `name` (the field or flag it came from)."""
     if not 0.0 <= cutoff < 1.0:
-        raise ValueError(f"draft_cutoff={cutoff}: expected 0 <= cutoff < 1 (0 verifies every draft)")
+        sep = " " if name.startswith("--") else "="
+        raise ConfigError(f"{name}{sep}{cutoff}: choose 0 <= cutoff < 1 (0 verifies every draft)")
     return float(cutoff)
 
 

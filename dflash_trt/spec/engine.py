@@ -102,10 +102,7 @@ class SpecEngine:
         # (test doubles) have no kernels to run
         self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"
         self.kernels = kernels
-        try:
-            self.draft_cutoff = check_cutoff(draft_cutoff)
-        except ValueError as e:
-            raise DFlashError(str(e)) from None
+        self.draft_cutoff = check_cutoff(draft_cutoff)
         self.graphs = self._graphs(cuda_graph, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
@@ -214,7 +211,8 @@ class SpecEngine:
         t0 = time.perf_counter()
         block, q, n_draft = self.propose()
         t1 = time.perf_counter()
-        width = int(n_draft.max()) + 1  # rows verify together; a shorter row's extra drafts are not judged
+        # rows verify together; a shorter row's extra drafts are not judged (no host sync when ungated)
+        width = int(n_draft.max()) + 1 if self.draft_cutoff > 0 else self.block_size
         out = self.verify(block[:, :width])
         verdict = self.accept(block[:, :width], out.logits, None if q is None else q[:, :width - 1], n_draft)
         t2 = time.perf_counter()
@@ -281,7 +279,7 @@ class SpecEngine:
         W = block.shape[1]
         if q is None:
             v = ops.greedy(block, logits)
-            if bool((n_draft < W - 1).any()):  # a row stops at its own length; its bonus comes from there
+            if self.draft_cutoff > 0 and bool((n_draft < W - 1).any()):  # a row stops at its own length, bonus there
                 acc = torch.minimum(v.accepted, n_draft)
                 rows = torch.arange(block.shape[0], device=block.device)
                 v = Verdict(acc, logits[rows, acc].argmax(-1))

@@ -26,6 +26,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     from dflash_trt.contention import CpuWatch
     from dflash_trt.pipeline import (dtype_name, encode, inexact_greedy_note, load_drafter, load_target,
                                      load_tokenizer, set_block_size, stop_ids)
+    from dflash_trt.spec.draft_length import check_cutoff
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts
 
@@ -39,8 +40,7 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     sizes = list(dict.fromkeys(block_sizes or [trained_b]))
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
     for c in cutoffs:
-        if not 0.0 <= c < 1.0:
-            raise DFlashError(f"--draft-cutoff {c}: choose 0 <= cutoff < 1 (0 verifies every draft)")
+        check_cutoff(c, "--draft-cutoff")
     configs = [(b, c) for b in sizes for c in cutoffs]
     for b in sizes:
         if not 2 <= b <= trained_b:
