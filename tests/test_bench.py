@@ -69,6 +69,7 @@ def test_bench_end_to_end(setup, tmp_path):
     for r in rows.values():
         assert r["prompts"] == 3 and r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["tau"] >= 1.0
     d = rows["dflash"]
+    assert d["drafts_per_step"] == 3.0  # ungated: every pass judges B-1 drafts
     assert len(d["per_position_acceptance"]) == 3 and len(d["accept_hist"]) == 5  # block 4: 1..4 tokens per pass
     assert d["draft_ms_per_step"] > 0 and d["verify_ms_per_step"] > 0 and d["bound"] > 0 and d["bound_reached"] > 0
     # the assistant is the target itself: every draft is accepted, so a pass emits >= 2 tokens
@@ -177,7 +178,7 @@ def test_bench_draft_cutoff_is_used_and_recorded(setup, tmp_path):
                     say=lambda m: None, progress=False)
     d = {r["method"]: r for r in rep["rows"]}["dflash"]
     assert rep["mismatches"] == [] and d["exact"] == "yes"
-    assert d["tau"] == 1.0 and d["accept_hist"][2:] == [0, 0, 0]
+    assert d["tau"] == 1.0 and d["accept_hist"][2:] == [0, 0, 0] and d["drafts_per_step"] == 0.0
     assert "draft cutoff 0.5" in (tmp_path / "bench.md").read_text()
 
 
@@ -188,6 +189,10 @@ def test_summary_of_runs():
     assert s["decode_tokens_per_s"] == pytest.approx(12 / 2.0)
     assert s["tau"] == pytest.approx((1 + 4 + 3 + 4) / 8) and s["decode_steps"] == 8
     assert s["per_position_acceptance"] == pytest.approx([3 / 8, 1 / 8])
+    assert s["drafts_per_step"] is None  # no method reported how many drafts were judged
+    judged = summarize([Run([1] * 9, 9, 0.5, 1.5, [0, 1, 2, 1], drafts_verified=6),
+                        Run([1] * 5, 5, 0.5, 1.5, [0, 4], drafts_verified=2)])
+    assert judged["drafts_per_step"] == pytest.approx(8 / 8)
 
 
 # ---- datasets ----------------------------------------------------------------------------------

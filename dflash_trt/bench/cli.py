@@ -51,8 +51,8 @@ def _names(value: str) -> list[str]:
 @click.option("--quiet", is_flag=True, help="No per-prompt progress lines.")
 @friendly_errors
 def bench(target, drafter, random_drafter, assistant, datasets, num_prompts, max_new_tokens, max_prompt_tokens, chat,
-          temperature, seed, methods, block_size, draft_cutoff, out_dir, dtype, device, warmup, prompt_lookup_tokens, triton_url,
-          sweep_block_sizes, sweep_prompt_lengths, sweep_concurrency, plots, threads, quiet):
+          temperature, seed, methods, block_size, draft_cutoff, out_dir, dtype, device, warmup, prompt_lookup_tokens,
+          triton_url, sweep_block_sizes, sweep_prompt_lengths, sweep_concurrency, plots, threads, quiet):
     """Benchmark DFlash against the target alone (ours and HF generate), HF assisted generation and
     HF prompt lookup decoding on the same prompts, interleaved per prompt; checks exactness.
 
@@ -67,7 +67,8 @@ def bench(target, drafter, random_drafter, assistant, datasets, num_prompts, max
     cfg = BenchConfig(target=target, drafter=drafter, random_drafter=random_drafter, assistant=assistant,
                       datasets=list(datasets), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                       max_prompt_tokens=max_prompt_tokens, chat=chat, temperature=temperature, seed=seed,
-                      methods=_names(methods), block_size=block_size, draft_cutoff=draft_cutoff, out_dir=out_dir, dtype=dtype, device=device,
+                      methods=_names(methods), block_size=block_size, draft_cutoff=draft_cutoff, out_dir=out_dir,
+                      dtype=dtype, device=device,
                       warmup=warmup, prompt_lookup_tokens=prompt_lookup_tokens, triton_url=triton_url,
                       sweep_block_sizes=parse_ints(sweep_block_sizes, "--sweep-block-sizes"),
                       sweep_prompt_lengths=parse_ints(sweep_prompt_lengths, "--sweep-prompt-lengths"),

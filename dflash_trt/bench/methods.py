@@ -57,6 +57,7 @@ class Run:
     draft_time: float = 0.0  # seconds drafting over the decode passes
     verify_time: float = 0.0  # seconds in target passes after the first
     text: str | None = None
+    drafts_verified: int | None = None  # draft tokens the target judged (ours; less than passes x (B-1) when gated)
 
     @property
     def num_steps(self) -> int:
@@ -134,7 +135,8 @@ class DFlash(Method):
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
         s, toks = res.stats, res.tokens[0]
-        return Run(toks, len(toks), s.prefill_time, wall, list(s.accept_hist), s.draft_time, s.verify_time)
+        return Run(toks, len(toks), s.prefill_time, wall, list(s.accept_hist), s.draft_time, s.verify_time,
+                   drafts_verified=s.num_draft_tokens)
 
 
 # ---- Hugging Face generate() -----------------------------------------------------------------
@@ -299,7 +301,8 @@ class DFlashTriton(Method):
         perf = last.get("perf_metrics") or {}
         return Run(None, int(last.get("num_output_tokens") or 0), (first or time.perf_counter()) - t0, wall,
                    list(perf.get("accept_hist") or []), float(perf.get("draft_time") or 0.0),
-                   float(perf.get("verify_time") or 0.0), text="".join(parts))
+                   float(perf.get("verify_time") or 0.0), text="".join(parts),
+                   drafts_verified=last.get("total_draft_tokens"))
 
     def close(self):
         if getattr(self, "client", None) is not None:

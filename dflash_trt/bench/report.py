@@ -9,6 +9,7 @@ Definitions (per dataset and method, summed over prompts):
   speedup           decode tok/s over that of `hf` / of `baseline` on the same prompts
   tau               tokens emitted per target decode pass, bonus token included (passes after
                     the one that produced the first token); 1 for plain decoding
+  drafts/step       draft tokens the target judged per decode pass (B-1, or fewer with --draft-cutoff)
   P(accept i)       fraction of decode passes whose i-th drafted token was accepted
   draft/verify      seconds per decode pass drafting / in the target's verify forward
   bound             tau * t_target_step / (t_draft + t_verify): the speedup if nothing but
@@ -35,12 +36,14 @@ def summarize(runs) -> dict:
     hist = [sum(r.accept_hist[k] for r in runs if k < len(r.accept_hist)) for k in range(width)]
     steps = sum(hist)
     draft, verify = sum(r.draft_time for r in runs), sum(r.verify_time for r in runs)
+    judged = [r.drafts_verified for r in runs if getattr(r, "drafts_verified", None) is not None]
     return {
         "prompts": len(runs), "output_tokens": sum(r.num_output_tokens for r in runs),
         "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else 0.0,
         "ttft_ms": 1e3 * sum(r.ttft for r in runs) / max(1, len(runs)),
         "tau": sum(k * h for k, h in enumerate(hist)) / steps if steps else None,
         "accept_hist": hist,
+        "drafts_per_step": sum(judged) / steps if judged and steps else None,
         "per_position_acceptance": [sum(hist[i + 1:]) / steps for i in range(1, width - 1)] if steps else [],
         "decode_steps": steps,
         "draft_ms_per_step": 1e3 * draft / steps if steps else None,
@@ -149,7 +152,7 @@ def build_report(cfg, ctx, records, methods, skipped, reference, mismatches, sam
 # ---- rendering -------------------------------------------------------------------------------
 COLUMNS = [("dataset", "dataset"), ("method", "method"), ("decode_tokens_per_s", "tok/s"), ("speedup_vs_hf", "vs hf"),
            ("speedup_vs_baseline", "vs baseline"), ("ttft_ms", "TTFT ms"), ("tau", "tau"),
-           ("per_position_acceptance", "P(accept) pos 1..8"), ("draft_ms_per_step", "draft ms/step"),
+           ("drafts_per_step", "drafts/step"), ("per_position_acceptance", "P(accept) pos 1..8"), ("draft_ms_per_step", "draft ms/step"),
            ("verify_ms_per_step", "verify ms/step"), ("bound", "bound"), ("bound_reached", "reached"),
            ("exact", "exact")]
 
