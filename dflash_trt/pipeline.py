@@ -149,6 +149,10 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
                           "pipeline with an untrained drafter (output stays exact, speedup will be below 1)")
     if block_size is not None:
         set_block_size(drafter, block_size)
+    if getattr(target, "packed", False):  # a packed target runs inference only: so does its drafter
+        from dflash_trt.engine.cpu_pack import pack_drafter
+
+        pack_drafter(drafter)
     return drafter.eval()
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import tiny_drafter, tiny_model_dir, tiny_target
 from dflash_trt.config import SamplingParams
-from dflash_trt.engine.cpu_pack import ENV_SWITCH, PackedLinear, pack_target, pack_unavailable_reason
+from dflash_trt.engine.cpu_pack import ENV_SWITCH, PackedLinear, pack_drafter, pack_target, pack_unavailable_reason
 from dflash_trt.errors import DFlashError
 from dflash_trt.spec.loop import generate, generate_baseline
 
@@ -100,3 +100,51 @@ def test_tied_head_stays_tied_through_deepcopy():
     ids = torch.randint(0, 256, (1, 5))
     torch.testing.assert_close(twin.forward(ids, twin.new_cache(1, 8)).logits,
                                tied.forward(ids, tied.new_cache(1, 8)).logits, atol=0, rtol=0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_packed_drafter_drafts_the_same_and_still_saves(tmp_path, draft_vocab):
+    """pack_drafter (load_drafter does it next to a packed target): same draft logits, greedy output
+    still the target's, and state_dict / save_pretrained see the keys and values of before."""
+    import dataclasses
+
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.engine.drafter import DFlashDrafter
+
+    target = tiny_target("qwen2")
+    pack_target(target)
+    cfg = DrafterConfig.for_target(target.config, num_layers=2, block_size=4)
+    if draft_vocab:
+        cfg = dataclasses.replace(cfg, draft_vocab_size=40)
+    torch.manual_seed(3)
+    dense = DFlashDrafter(cfg)
+    with torch.no_grad():
+        if draft_vocab:
+            dense.draft_vocab.copy_(torch.arange(0, 200, 5))
+        for p in dense.parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+    dense = dense.float().bind(target).eval()
+    packed = copy.deepcopy(dense)
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    assert pack_drafter(packed) == 1 + 2 * 7 and type(packed.layers[1].mlp["up_proj"]) is PackedLinear
+    taps = torch.randn(2, 6, cfg.num_taps * target.config.hidden_size)
+    block = torch.tensor([[5, cfg.mask_token_id, cfg.mask_token_id, cfg.mask_token_id]] * 2)
+    logits = []
+    for d in (dense, packed):
+        cache = d.new_cache(2, 16)
+        d.inject_context(taps, torch.tensor([6, 4]), cache)
+        logits.append(d.draft_logits(block, cache))
+    finite = torch.isfinite(logits[0])
+    assert torch.equal(finite, torch.isfinite(logits[1]))
+    torch.testing.assert_close(logits[1][finite], logits[0][finite], atol=1e-4, rtol=1e-4)
+    prompts, params = [[3, 14, 15, 92], [6, 53, 58]], SamplingParams(max_new_tokens=12)
+    assert generate(target, packed, prompts, params).tokens == generate_baseline(target, prompts, params).tokens
+    assert set(packed.state_dict()) == set(before)
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in before.items())
+    packed.save_pretrained(tmp_path / "d")
+    again = DFlashDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in before.items())
+    twin = copy.deepcopy(packed)
+    assert type(twin.fc) is PackedLinear and set(twin.state_dict()) == set(before)

@@ -46,17 +46,23 @@ class PackedLinear(nn.Module):
 
     `weight` stays available as the dense tensor when keep_dense (the LM head: the drafter reads it;
     with tied embeddings it is the embedding table). The packed head is then a second copy of the
-    head: 0.5 GB for the 0.5B coder and 0.9 GB for the 1.5B in fp32, the price of packing it."""
+    head: 0.5 GB for the 0.5B coder and 0.9 GB for the 1.5B in fp32, the price of packing it.
+    register_dense keeps weight and bias as this module's own parameters, so state_dict and
+    save_pretrained see the same keys as before packing (the drafter: it is small, and bench and
+    serving may save the drafter they run)."""
 
-    def __init__(self, linear: nn.Linear, keep_dense: bool = False):
+    def __init__(self, linear: nn.Linear, keep_dense: bool = False, register_dense: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         self._packed_w = w.to_mkldnn()
         self._packed_b = None if linear.bias is None else linear.bias.detach().to_mkldnn()
         self._dtype = w.dtype
-        # the original tensor (not registered here, so not in state_dict): a tied embedding stays shared
-        object.__setattr__(self, "weight", linear.weight if keep_dense else None)
+        self._registered = register_dense
+        if register_dense:
+            self.weight, self.bias = linear.weight, linear.bias
+        else:  # the original tensor, not registered (not in state_dict): a tied embedding stays shared
+            object.__setattr__(self, "weight", linear.weight if keep_dense else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
@@ -72,21 +78,21 @@ class PackedLinear(nn.Module):
             lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
             if self._packed_b is not None:
                 lin.bias.copy_(self._packed_b.to_dense())
-        return PackedLinear(lin, keep_dense=self.weight is not None)
+        return PackedLinear(lin, keep_dense=self.weight is not None, register_dense=self._registered)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self._packed_b is not None}, dtype={self._dtype}, packed=oneDNN")
 
 
-def _swap(module: nn.Module) -> int:
+def _swap(module: nn.Module, register_dense: bool = False) -> int:
     n = 0
     for name, child in module.named_children():
         if type(child) is nn.Linear:  # subclasses (quantised or LoRA linears) keep their own forward
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, register_dense=register_dense))
             n += 1
         else:
-            n += _swap(child)
+            n += _swap(child, register_dense)
     return n
 
 
@@ -97,6 +103,23 @@ def pack_hf_model(model: nn.Module) -> int:
     if type(model.lm_head) is nn.Linear:
         model.lm_head = PackedLinear(model.lm_head, keep_dense=True)
         n += 1
+    return n
+
+
+def packed_matrix(w: torch.Tensor) -> PackedLinear:
+    """x @ w.T as a packed linear (w [out, in], e.g. the LM head's draft-vocabulary rows)."""
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    return PackedLinear(lin)
+
+
+def pack_drafter(drafter: nn.Module) -> int:
+    """Pack a drafter's own linears (fc and its layers) in place for inference next to a packed
+    target; its head_logits then uses the target's packed LM head, or a packed copy of its
+    draft-vocabulary rows. Weights stay registered, so the packed drafter still saves. Measured: the 1.5B coder's 1-layer drafter drafted a 4-token block in 21.4
+    ms unpacked, 17.5 of them in the layer's F.linear products."""
+    n = _swap(drafter, register_dense=True)
+    drafter.packed = True
     return n
 
 

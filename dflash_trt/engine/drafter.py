@@ -227,13 +227,23 @@ class DFlashDrafter(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> float32 logits over the draft vocabulary [..., Vd] (full vocab: Vd = V)
         through the target's shared LM head (only its draft-vocab rows when one is set)."""
-        w = self.target.lm_head.weight
+        head, packed = self.target.lm_head, getattr(self, "packed", False)  # packed: inference on a CPU
+        w = head.weight
         if self.draft_vocab is not None:
             # the head is frozen: gather its draft-vocab rows once per (weight, vocab) pair
-            key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), self.draft_vocab.device)
+            key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), self.draft_vocab.device, packed)
             if getattr(self, "_head_rows", (None,))[0] != key:
-                object.__setattr__(self, "_head_rows", (key, w.detach().index_select(0, self.draft_vocab.to(w.device))))
+                rows = w.detach().index_select(0, self.draft_vocab.to(w.device))
+                if packed:
+                    from dflash_trt.engine.cpu_pack import packed_matrix
+
+                    rows = packed_matrix(rows)
+                object.__setattr__(self, "_head_rows", (key, rows))
+            if packed:
+                return self._head_rows[1](hidden.to(w.dtype)).float()
             w = self._head_rows[1]
+        elif packed:
+            return head(hidden.to(w.dtype)).float()
         return F.linear(hidden.to(w.dtype), w).float()
 
     def draft_logits(self, block_ids: torch.Tensor, cache: KVCache, full_vocab: bool = True) -> torch.Tensor:
