@@ -20,6 +20,7 @@ LIMIT=${LIMIT:-512}            # training prompts
 NEW_TOKENS=${NEW_TOKENS:-160}  # answer tokens the target regenerates per prompt
 EVAL_LIMIT=${EVAL_LIMIT:-8}   # held-out HumanEval prompts for eval
 EVAL_BLOCKS=${EVAL_BLOCKS:-16,4}  # eval block sizes: the trained 16 (the issue's figure) and 4 (pays best on a CPU)
+EVAL_CUTOFFS=${EVAL_CUTOFFS:-0,0.3}  # draft cutoffs: 0 (the paper's loop, tau as published) and 0.3 (pays on a CPU)
 EPOCHS=${EPOCHS:-8}
 LAYERS=${LAYERS:-1}            # drafter depth
 GAMMA=${GAMMA:-3}              # loss decay over block positions: 3 puts a short CPU run on positions 1-3 (paper: 7 for B=16)
@@ -52,4 +53,4 @@ $DFT train --target "$TARGET" --data "$DATA" --out "$RUN/out" --num-layers "$LAY
 
 # 4. held-out evaluation: real DFlash generation vs the baseline on HumanEval prompts
 $DFT eval --target "$TARGET" --drafter "$RUN/out/drafter" --prompts humaneval --limit "$EVAL_LIMIT" \
-  --max-new-tokens 128 --block-size "$EVAL_BLOCKS" --json-out "$RUN/eval.json"
+  --max-new-tokens 128 --block-size "$EVAL_BLOCKS" --draft-cutoff "$EVAL_CUTOFFS" --json-out "$RUN/eval.json"
