@@ -374,6 +374,15 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     assert res["sweep"][1]["tau"] == pytest.approx(1 + accepted / steps)
     r = CliRunner().invoke(main, args + ["--block-size", "8"])
     assert r.exit_code != 0 and "choose 2..6" in r.output
+    # block sizes x draft cutoffs; an untrained drafter is never 0.9 sure: those rows verify no draft
+    r = CliRunner().invoke(main, args + ["--block-size", "2,6", "--draft-cutoff", "0,0.9", "--json-out",
+                                         str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "c.json").read_text())["sweep"]
+    assert [(x["block_size"], x["draft_cutoff"]) for x in rows] == [(2, 0.0), (2, 0.9), (6, 0.0), (6, 0.9)]
+    assert [x["verified_drafts_per_step"] for x in rows] == [1.0, 0.0, 5.0, 0.0]
+    r = CliRunner().invoke(main, args + ["--draft-cutoff", "1.5"])
+    assert r.exit_code == 2 and "--draft-cutoff 1.5" in r.output
     # timed on a busy machine: the JSON says how busy and the table is followed by a warning
     assert 0.0 <= res["other_cpu_share"] <= 1.0
     from dflash_trt import contention

@@ -30,6 +30,9 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts
 
+    cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
+    for c in cutoffs:  # before any model loads
+        check_cutoff(c, "--draft-cutoff")
     prompts = load_prompts(source, limit)
     if target_model is None:
         tgt, path = load_target(target, dtype, device=device)
@@ -38,9 +41,6 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     drafter = load_drafter(tgt, drafter_dir)
     trained_b = drafter.block_size
     sizes = list(dict.fromkeys(block_sizes or [trained_b]))
-    cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
-    for c in cutoffs:
-        check_cutoff(c, "--draft-cutoff")
     configs = [(b, c) for b in sizes for c in cutoffs]
     for b in sizes:
         if not 2 <= b <= trained_b:
