@@ -152,6 +152,9 @@ def print_stats(res, block_size: int, temperature: float) -> None:
     t = Table(title="DFlash statistics", show_header=False)
     t.add_row("acceptance length tau", f"{s['tau']:.2f} tokens / verify step (block size {block_size})")
     t.add_row("tokens", f"{s['num_output_tokens']} in {s['num_verify_steps']} verify steps")
+    if s["num_verify_steps"]:
+        t.add_row("drafts verified", f"{s['num_draft_tokens'] / s['num_verify_steps']:.1f} per step "
+                                     f"(of {block_size - 1}), {s['acceptance_rate']:.0%} of them accepted")
     t.add_row("decode speed", f"{s['decode_tokens_per_s']:.1f} tok/s")
     t.add_row("time split", f"prefill {s['prefill_time']:.2f}s, draft {s['draft_time']:.2f}s, "
                             f"verify {s['verify_time']:.2f}s")

@@ -54,7 +54,7 @@ def test_generate_text_output_and_stats(pair):
     r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "hello", "--no-chat",
             "--max-new-tokens", 8, "--temperature", 0.7, "--seed", 3)
     assert r.exit_code == 0, r.output
-    assert "acceptance length tau" in r.output
+    assert "acceptance length tau" in r.output and "drafts verified" in r.output and "per step (of 3)" in r.output
 
 
 def test_no_drafter_explains_how_to_get_one(pair):
