@@ -1,5 +1,6 @@
-"""What packing the target's CPU weights (engine/cpu_pack.py) is worth: the same target loaded twice,
-plain nn.Linear and oneDNN-packed, each running plain decoding and DFlash on the same prompts,
+"""What packing the CPU weights (engine/cpu_pack.py) is worth: the same target loaded twice, plain
+nn.Linear and oneDNN-packed (with its drafter packed too, as load_drafter does next to a packed
+target), each running plain decoding and DFlash on the same prompts,
 interleaved per prompt in one process (A B A B), greedy, fp32. Prints a table; --json writes it.
 
     python scripts/bench_cpu_pack.py --target qwen2.5-coder-0.5b-instruct --drafter DIR \\

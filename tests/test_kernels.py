@@ -255,6 +255,18 @@ def test_greedy_accept_matches_verify(R, B, V):
     assert int(verify.greedy_accept(draft, am).accepted[0]) == B - 1
 
 
+def test_greedy_accept_stops_at_a_masked_draft():
+    """The engine marks drafts past a row's gated length with -1 (spec/engine.py accept): kernel and
+    reference stop there and take the bonus from that position."""
+    draft, logits, am = _greedy_case(3, 8, 37, seed=5)
+    draft[:, 1:] = am[:, :-1]  # every draft right ...
+    draft[0, 3:], draft[1, 1:] = -1, -1  # ... but row 0 judges 2 of them, row 1 none, row 2 all 7
+    ref = verify.greedy_accept(draft, am)
+    assert ref.accepted.tolist() == [2, 0, 7] and ref.bonus.tolist() == am[[0, 1, 2], [2, 0, 7]].tolist()
+    got = greedy_accept(draft, am)
+    assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.bonus, ref.bonus)
+
+
 @pytest.mark.parametrize("R,B,V", [(1, 2, 50), (4, 8, 37), (4, 16, 300), (3, 1, 37)])
 def test_rejection_accept_matches_verify(R, B, V):
     g = torch.Generator().manual_seed(V)

@@ -152,8 +152,8 @@ def build_report(cfg, ctx, records, methods, skipped, reference, mismatches, sam
 # ---- rendering -------------------------------------------------------------------------------
 COLUMNS = [("dataset", "dataset"), ("method", "method"), ("decode_tokens_per_s", "tok/s"), ("speedup_vs_hf", "vs hf"),
            ("speedup_vs_baseline", "vs baseline"), ("ttft_ms", "TTFT ms"), ("tau", "tau"),
-           ("drafts_per_step", "drafts/step"), ("per_position_acceptance", "P(accept) pos 1..8"), ("draft_ms_per_step", "draft ms/step"),
-           ("verify_ms_per_step", "verify ms/step"), ("bound", "bound"), ("bound_reached", "reached"),
+           ("drafts_per_step", "drafts/step"), ("per_position_acceptance", "P(accept) pos 1..8"),
+           ("draft_ms_per_step", "draft ms/step"), ("verify_ms_per_step", "verify ms/step"), ("bound", "bound"), ("bound_reached", "reached"),
            ("exact", "exact")]
 
 

@@ -2,9 +2,9 @@
 
 Boundary: glue between pb_utils and the Orchestrator; imported only inside the backend stub
 (model_repo/dflash/1/model.py re-exports TritonPythonModel). Model parameters: target_dir,
-drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff. Every request gets its own response
-sender; `execute` only parses and queues, the orchestrator's thread sends. A request holding only
-`cancel_key` cancels the running request whose `request_key` matches (how the text front doors
+drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff. Every request
+gets its own response sender; `execute` only parses and queues, the orchestrator's thread sends. A
+request holding only `cancel_key` cancels the running request whose `request_key` matches (how the text front doors
 propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
 Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_tokens_total,
 dflash_accepted_tokens_total, dflash_output_tokens_total, dflash_cancelled_requests_total
@@ -77,7 +77,8 @@ class _Metrics:
         self.requests = fam("dflash_requests_total", "Generation requests received", C).Metric(labels=labels)
         self.steps = fam("dflash_draft_steps_total", "Draft/verify steps, summed over requests",
                          C).Metric(labels=labels)
-        self.drafted = fam("dflash_draft_tokens_total", "Draft tokens verified (B-1 a step unless draft_cutoff > 0)", C).Metric(labels=labels)
+        self.drafted = fam("dflash_draft_tokens_total", "Draft tokens verified (B-1 a step unless draft_cutoff > 0)",
+                           C).Metric(labels=labels)
         self.accepted = fam("dflash_accepted_tokens_total", "Draft tokens accepted", C).Metric(labels=labels)
         self.output = fam("dflash_output_tokens_total", "Tokens generated", C).Metric(labels=labels)
         self.cancels = fam("dflash_cancelled_requests_total", "Requests cancelled (client gone or cancel_key)",

@@ -43,4 +43,4 @@ def draft_lengths(conf: torch.Tensor, cutoff: float) -> torch.Tensor:
     """
     if cutoff <= 0.0:
         return torch.full(conf.shape[:1], conf.shape[1], dtype=torch.long, device=conf.device)
-    return (conf.float().cumprod(dim=1) >= cutoff).long().cumprod(dim=1).sum(dim=1)
+    return (conf.float().cumprod(dim=1) >= cutoff).sum(dim=1)  # the product never grows: a prefix

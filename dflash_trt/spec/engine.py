@@ -278,12 +278,10 @@ class SpecEngine:
         ops = self.accept_ops  # spec/verify.py, or the Triton accept kernels
         W = block.shape[1]
         if q is None:
-            v = ops.greedy(block, logits)
-            if self.draft_cutoff > 0 and bool((n_draft < W - 1).any()):  # a row stops at its own length, bonus there
-                acc = torch.minimum(v.accepted, n_draft)
-                rows = torch.arange(block.shape[0], device=block.device)
-                v = Verdict(acc, logits[rows, acc].argmax(-1))
-            return v
+            if self.draft_cutoff > 0:  # drafts past a row's length become -1, never a token: it stops there
+                past = torch.arange(1, W, device=block.device) > n_draft[:, None]  # [R, W-1]
+                block = torch.cat([block[:, :1], block[:, 1:].masked_fill(past, -1)], dim=1)
+            return ops.greedy(block, logits)
         accepted, bonus = [], []
         for r, req in enumerate(self.reqs):
             n = int(n_draft[r]) + 1
