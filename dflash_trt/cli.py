@@ -71,7 +71,7 @@ def models():
 @friendly_errors
 def models_fetch(name, force):
     """Download NAME, verify its sha256 and save a Hugging Face folder into the cache."""
-    from dflash_trt.models.hub import fetch_model
+    from dflash_trt.hub.models import fetch_model
 
     click.echo(str(fetch_model(name, force=force)))
 
@@ -80,12 +80,12 @@ def models_fetch(name, force):
 @friendly_errors
 def models_list():
     """Known model names and whether they are cached."""
-    from dflash_trt.models.hub import list_models
+    from dflash_trt.hub.models import list_models
 
     for m in list_models():
         state = "cached  " if m.get("cached") else "not yet "
         click.echo(f"{m['name']:32s} {state} {m.get('path') or ''}")
-    from dflash_trt.models.drafters import bundled_drafters
+    from dflash_trt.hub.drafters import bundled_drafters
 
     for b in bundled_drafters().values():
         tau = b.recipe.get("measured", {}).get("tau")
@@ -123,7 +123,7 @@ def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top
              block_size, seed, dtype, device, baseline, kernels, cuda_graph, draft_cutoff, as_json):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
     from dflash_trt.config import SamplingParams
-    from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
+    from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
 
     if not drafter_dir and not random_drafter:
         load_drafter(None, None)  # raises the "how to get a drafter" message before any download
@@ -196,7 +196,7 @@ def quickstart(target, prompt, max_new_tokens, retrain, run_block_size, as_json)
 def _register_optional():
     import importlib
 
-    for mod in ("dflash_trt.train.cli", "dflash_trt.build.cli", "dflash_trt.serving.cli", "dflash_trt.bench.cli",
+    for mod in ("dflash_trt.train.cli", "dflash_trt.deploy.cli", "dflash_trt.serving.cli", "dflash_trt.bench.cli",
                 "dflash_trt.kernels.cli"):
         try:
             m = importlib.import_module(mod)

@@ -1,7 +1,7 @@
 """`dflash-trt quickstart`: a real model, a real drafter, a measured speedup, on a fresh machine.
 
 Boundary: orchestration of existing stages with cached artifacts under DFLASH_TRT_HOME:
-  1. fetch the target (models/hub.py) - once;
+  1. fetch the target (hub/models.py) - once;
   2. obtain a drafter: the cached quickstart drafter, or make one with the training recipe
      (target regenerates answers to standard-library prompts, offline features, short training);
   3. answer a prompt with DFlash and with the plain autoregressive loop, same engine and dtype,
@@ -41,7 +41,7 @@ class QuickstartConfig:
 
 
 def quickstart_drafter_dir(cfg: QuickstartConfig) -> Path:
-    from dflash_trt.models.hub import models_home
+    from dflash_trt.hub.models import models_home
 
     name = Path(cfg.target).name
     return models_home() / "drafters" / f"{name}-b{cfg.block_size}-l{cfg.num_layers}-quickstart"
@@ -51,7 +51,7 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]
     """-> (drafter folder, where it came from): the drafter bundled for this target, else the one
     trained by an earlier quickstart, else one trained now (resumable at every stage).
     cfg.retrain skips the bundled one, to reproduce the recipe from scratch on this machine."""
-    from dflash_trt.models.drafters import bundled_drafter_for
+    from dflash_trt.hub.drafters import bundled_drafter_for
     from dflash_trt.train.data import generate_data, stdlib_prompts
     from dflash_trt.train.trainer import TrainConfig, train
 
@@ -73,9 +73,9 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]
 
 def run_quickstart(cfg: QuickstartConfig) -> dict:
     from dflash_trt.contention import CpuWatch
-    from dflash_trt.pipeline import (dtype_name, encode, load_drafter, load_target, load_tokenizer, set_block_size,
+    from dflash_trt.api import (dtype_name, encode, load_drafter, load_target, load_tokenizer, set_block_size,
                                      stop_ids)
-    from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
+    from dflash_trt.decoding.loop import GenerationStats, generate, generate_baseline
 
     target, path = load_target(cfg.target, "auto")
     tok = load_tokenizer(path)

@@ -1,4 +1,4 @@
-"""What packing the CPU weights (engine/cpu_pack.py) is worth: the same target loaded twice, plain
+"""What packing the CPU weights (modeling/cpu_pack.py) is worth: the same target loaded twice, plain
 nn.Linear and oneDNN-packed (with its drafter packed too, as load_drafter does next to a packed
 target), each running plain decoding and DFlash on the same prompts,
 interleaved per prompt in one process (A B A B), greedy, fp32. Prints a table; --json writes it.
@@ -21,9 +21,9 @@ import torch
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch
-from dflash_trt.engine.cpu_pack import pack_target, pack_unavailable_reason
-from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
-from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
+from dflash_trt.modeling.cpu_pack import pack_target, pack_unavailable_reason
+from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
+from dflash_trt.decoding.loop import GenerationStats, generate, generate_baseline
 from dflash_trt.train.data import load_prompts
 
 

@@ -4,14 +4,14 @@
     python scripts/gpu_check.py --dry-run    # same code path on CPU in Triton's interpreter, tiny shapes
 
 For every case: the Triton launcher's time, the time of what the PyTorch engine does instead
-(engine/drafter.py's per-layer projections + cache writes, its masked SDPA over the cache with
-GQA repeat, spec/verify.py's acceptance), the speedup, and the share of the memory-bandwidth
+(modeling/drafter.py's per-layer projections + cache writes, its masked SDPA over the cache with
+GQA repeat, decoding/verify.py's acceptance), the speedup, and the share of the memory-bandwidth
 bound reached: (minimum bytes the op must move: every input read once, every output written
 once) / peak bandwidth, divided by the kernel's time. Every kernel output is also checked
-against dflash_trt/kernels/reference.py (or spec/verify.py) at the same shape. A last section
+against dflash_trt/kernels/reference.py (or decoding/verify.py) at the same shape. A last section
 runs generate() with kernels="triton" and "torch" on a tiny random model (needs transformers)
 and checks the tokens are identical, and times one whole drafter step at the real shape, eager
-and replayed from a CUDA graph (engine/cuda_graph.py). On a GPU, `loop` times generate() per verify
+and replayed from a CUDA graph (modeling/cuda_graph.py). On a GPU, `loop` times generate() per verify
 step on a random Qwen3-0.6B-shaped target: eager PyTorch, Triton kernels, kernels + CUDA graph.
 
 Shapes are those of a Qwen3-8B DFlash drafter: hidden 4096, 32 heads, 8 kv heads, head_dim 128,
@@ -104,8 +104,8 @@ def rms(x, w, eps=1e-6):
 
 
 def torch_inject(h, positions, wk, wv, knw, inv_freq, cache):
-    """engine/drafter.py inject_context after fuse(): per layer k_proj, k_norm, RoPE, v_proj, cache writes."""
-    from dflash_trt.engine.target import apply_rope
+    """modeling/drafter.py inject_context after fuse(): per layer k_proj, k_norm, RoPE, v_proj, cache writes."""
+    from dflash_trt.modeling.target import apply_rope
 
     R, n, _ = h.shape
     D = knw.shape[-1]
@@ -119,8 +119,8 @@ def torch_inject(h, positions, wk, wv, knw, inv_freq, cache):
 
 
 def torch_attention(q, kb, vb, cache, positions):
-    """engine/drafter.py draft_block, one layer: write the block into the cache, masked SDPA (GQA repeat)."""
-    from dflash_trt.engine.target import cached_attention
+    """modeling/drafter.py draft_block, one layer: write the block into the cache, masked SDPA (GQA repeat)."""
+    from dflash_trt.modeling.target import cached_attention
 
     R, B = positions.shape
     upto = int(positions.max()) + 1
@@ -140,7 +140,7 @@ def tol(dtype) -> float:
 
 
 def run_inject(rep, cfg, cases, dev, g):
-    from dflash_trt.engine.cache import KVCache
+    from dflash_trt.modeling.cache import KVCache
     from dflash_trt.kernels import kv_inject
     from dflash_trt.kernels.reference import kv_inject_ref, rope_inv_freq
 
@@ -169,7 +169,7 @@ def run_inject(rep, cfg, cases, dev, g):
 
 
 def run_attention(rep, cfg, cases, dev, g):
-    from dflash_trt.engine.cache import KVCache
+    from dflash_trt.modeling.cache import KVCache
     from dflash_trt.kernels import block_draft_attention
     from dflash_trt.kernels.reference import block_draft_attention_ref
 
@@ -197,7 +197,7 @@ def run_attention(rep, cfg, cases, dev, g):
 
 def run_accept(rep, cfg, greedy_rows, rejection_rows, dev, g):
     from dflash_trt.kernels import greedy_accept, rejection_accept
-    from dflash_trt.spec import verify
+    from dflash_trt.decoding import verify
 
     B, V = cfg["B"], cfg["V"]
     for R in greedy_rows:
@@ -233,7 +233,7 @@ def valid_bonus(p, q, accepted, u, bonus, rel=1e-4) -> bool:
     """Every bonus is an inverse-CDF sample of its row's residual at u, up to fp32 rounding (float64 CDF).
     At V=152k a CDF step (~1/V) is close to fp32 rounding of the running sum, so two exact
     implementations that sum in different orders may pick neighbouring tokens; the check column
-    of rejection_accept shows how many rows picked a different (valid) token than spec/verify.py."""
+    of rejection_accept shows how many rows picked a different (valid) token than decoding/verify.py."""
     rows = torch.arange(p.shape[0], device=p.device)
     p_at = p[rows, accepted].double()
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted].double()
@@ -262,8 +262,8 @@ class _StubTarget:
 def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
     """One whole drafter step at the real shape: inject B verified tokens, draft one block."""
     from dflash_trt.config import DrafterConfig
-    from dflash_trt.engine.cuda_graph import cuda_capture
-    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.modeling.cuda_graph import cuda_capture
+    from dflash_trt.modeling.drafter import DFlashDrafter
 
     d, B, dt = cfg["d"], cfg["B"], cfg["dtype"]
     dc = DrafterConfig(hidden_size=d, intermediate_size=3 * d, num_hidden_layers=cfg["L"],

@@ -24,9 +24,9 @@ def engine_parity(dev) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_trt.config import DrafterConfig, SamplingParams
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.target import TargetModel
-    from dflash_trt.spec.loop import generate, generate_baseline
+    from dflash_trt.modeling.drafter import DFlashDrafter
+    from dflash_trt.modeling.target import TargetModel
+    from dflash_trt.decoding.loop import generate, generate_baseline
 
     torch.manual_seed(0)
     hf_cfg = Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,9 +56,9 @@ def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_trt.config import DrafterConfig, SamplingParams
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.target import TargetModel
-    from dflash_trt.spec.loop import generate, generate_baseline
+    from dflash_trt.modeling.drafter import DFlashDrafter
+    from dflash_trt.modeling.target import TargetModel
+    from dflash_trt.decoding.loop import generate, generate_baseline
 
     torch.manual_seed(0)
     hf_cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

@@ -171,7 +171,7 @@ def run(a) -> None:
     log = Log(out / "run.log")
     deadline = log.t0 + a.budget
     dev = torch.device(a.device)
-    from dflash_trt.pipeline import load_target, load_tokenizer
+    from dflash_trt.api import load_target, load_tokenizer
     from dflash_trt.train.corpus import load_texts, score_corpus
     from dflash_trt.train.data import generate_data, load_prompts, read_sequences
     from dflash_trt.train.trainer import TrainConfig, train

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine.cache import KVCache
-from dflash_trt.engine.drafter import DFlashDrafter
-from dflash_trt.engine.target import TargetModel
+from dflash_trt.modeling.cache import KVCache
+from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.target import TargetModel
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=512)

@@ -22,7 +22,7 @@ from dflash_trt.bench.methods import HF, METHODS, Run
 from dflash_trt.bench.runner import BenchConfig, OutputMismatchError, fit_prompt, run_bench
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import DFlashError
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens and verifies them."]
@@ -152,7 +152,7 @@ def test_unavailable_methods_are_skipped_with_reason(setup, tmp_path, monkeypatc
 
 
 def test_fit_prompt_cuts_and_pads_to_length(setup):
-    from dflash_trt.pipeline import load_tokenizer
+    from dflash_trt.api import load_tokenizer
 
     tok = load_tokenizer(setup / "target")
     for chat in (True, False):

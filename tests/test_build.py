@@ -17,7 +17,7 @@ from conftest import tiny_drafter, tiny_hf, tiny_model_dir
 
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine.target import TargetModel
+from dflash_trt.modeling.target import TargetModel
 
 BLOCK = 4
 
@@ -75,11 +75,11 @@ def test_torch_build_is_served_with_in_process_greedy_text(pair, tmp_path):
     pytest.importorskip("pytriton", reason="nvidia-pytriton not installed (pip install 'dflash-trt[serve]')")
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed")
     from dflash_trt.config import SamplingParams
-    from dflash_trt.pipeline import load_drafter
+    from dflash_trt.api import load_drafter
     from dflash_trt.serving.client import DFlashClient
     from dflash_trt.serving.server import TritonServer
     from dflash_trt.serving.text import TextCodec
-    from dflash_trt.spec.loop import generate
+    from dflash_trt.decoding.loop import generate
 
     root, target = pair
     out, manifest = build(tmp_path, root)
@@ -119,7 +119,7 @@ def _other_target_drafter(root: Path) -> Path:
     folder = root / "other_drafter"
     if not folder.exists():
         cfg = DrafterConfig.for_target(tiny_hf(hidden_size=32).config, num_layers=1, block_size=BLOCK)
-        from dflash_trt.engine.drafter import DFlashDrafter
+        from dflash_trt.modeling.drafter import DFlashDrafter
 
         DFlashDrafter(cfg).save_pretrained(folder)
     return folder
@@ -260,8 +260,8 @@ def test_trtllm_pytorch_model_yaml_and_emitted_commands(pair, tmp_path):
 
 # ---- (g) quantized build: eval numbers in build.json -----------------------------------------------
 def test_quantized_build_reports_tau_and_agreement(pair, tmp_path):
-    from dflash_trt.build.hf_checkpoint import load_quantized_checkpoint
-    from dflash_trt.pipeline import load_drafter, load_target
+    from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint
+    from dflash_trt.api import load_drafter, load_target
 
     root, _ = pair
     out, manifest = build(tmp_path, root, target_quant="fp8", drafter_quant="nvfp4", sm="sm_100",
@@ -281,7 +281,7 @@ def test_quantized_build_reports_tau_and_agreement(pair, tmp_path):
     # the serving loader reads the quantized engine folders too, with the same numerics as in-process
     from dflash_trt.config import SamplingParams
     from dflash_trt.serving.orchestrator import load_engine_factory
-    from dflash_trt.spec.loop import generate_baseline
+    from dflash_trt.decoding.loop import generate_baseline
 
     engine = load_engine_factory(str(out / "engine" / "target"), str(out / "engine" / "drafter"), dtype="float32")()
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_trt.errors import CheckpointError
-from dflash_trt.models.drafters import ASSETS, bundled_drafter_for, bundled_drafters, resolve_drafter
+from dflash_trt.hub.drafters import ASSETS, bundled_drafter_for, bundled_drafters, resolve_drafter
 from tests.conftest import tiny_drafter, tiny_target
 
 
@@ -36,7 +36,7 @@ def test_resolve_drafter_names_folders_and_errors(tmp_path):
     assert resolve_drafter(str(tmp_path / "tiny-b4"), root=tmp_path) == str(tmp_path / "tiny-b4")
     with pytest.raises(CheckpointError, match="not a bundled drafter name.*bundled: tiny-b4"):
         resolve_drafter("nope", root=tmp_path)
-    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.modeling.drafter import DFlashDrafter
 
     back = DFlashDrafter.from_pretrained(resolve_drafter("tiny-b4", root=tmp_path), target=t)
     for k, v in d.state_dict().items():
@@ -63,9 +63,9 @@ def test_shipped_drafters_are_complete_and_load_their_config():
 @pytest.mark.slow
 def test_shipped_drafter_is_lossless_and_accepts_on_its_real_target():
     """The quickstart's drafter on the real SmolLM2: exact greedy output and a real acceptance length."""
-    from dflash_trt.pipeline import encode, load_drafter, load_target, load_tokenizer, stop_ids
+    from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, stop_ids
     from dflash_trt.config import SamplingParams
-    from dflash_trt.spec.loop import generate, generate_baseline
+    from dflash_trt.decoding.loop import generate, generate_baseline
 
     b = bundled_drafter_for("smollm2-135m-instruct")
     if b is None:

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from conftest import tiny_model_dir
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine.drafter import DFlashDrafter
-from dflash_trt.engine.target import TargetModel
+from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.target import TargetModel
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""HF target / DFlash drafter -> TensorRT-LLM checkpoints (dflash_trt.build.convert): names, shapes,
+"""HF target / DFlash drafter -> TensorRT-LLM checkpoints (dflash_trt.deploy.convert): names, shapes,
 config fields, and tensor-parallel shards that merge back exactly, plain and quantised."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_trt.build.convert import convert_drafter, convert_target, merge_ranks
-from dflash_trt.build.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
+from dflash_trt.deploy.convert import convert_drafter, convert_target, merge_ranks
+from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
 from dflash_trt.errors import ConfigError
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_drafter, tiny_target
 from dflash_trt.config import DrafterConfig, SamplingParams
-from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.train.corpus import agreement, chunk_texts, greedy_next, load_texts, score_corpus
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.objective import dflash_loss, drafter_train_forward, make_blocks, position_weights

@@ -1,4 +1,4 @@
-"""CPU weight packing (engine/cpu_pack.py): same math as nn.Linear, same decoding, clear refusals."""
+"""CPU weight packing (modeling/cpu_pack.py): same math as nn.Linear, same decoding, clear refusals."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from torch import nn
 
 from conftest import tiny_drafter, tiny_model_dir, tiny_target
 from dflash_trt.config import SamplingParams
-from dflash_trt.engine.cpu_pack import ENV_SWITCH, PackedLinear, pack_drafter, pack_target, pack_unavailable_reason
+from dflash_trt.modeling.cpu_pack import ENV_SWITCH, PackedLinear, pack_drafter, pack_target, pack_unavailable_reason
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.decoding.loop import generate, generate_baseline
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -77,7 +77,7 @@ def test_unavailable_reasons(monkeypatch):
 
 @needs_onednn
 def test_load_target_packs_for_inference_only(tmp_path, monkeypatch):
-    from dflash_trt.pipeline import load_target
+    from dflash_trt.api import load_target
 
     folder = str(tiny_model_dir(tmp_path / "t"))
     assert load_target(folder, "float32", progress=False, device="cpu")[0].packed
@@ -110,7 +110,7 @@ def test_packed_drafter_drafts_the_same_and_still_saves(tmp_path, draft_vocab):
     import dataclasses
 
     from dflash_trt.config import DrafterConfig
-    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.modeling.drafter import DFlashDrafter
 
     target = tiny_target("qwen2")
     pack_target(target)

@@ -1,4 +1,4 @@
-"""Where targets run and in which dtype: pipeline.resolve_device / parse_dtype / native_bf16 and
+"""Where targets run and in which dtype: api.resolve_device / parse_dtype / native_bf16 and
 the --device option of every command that loads a target."""
 
 import pytest
@@ -13,18 +13,18 @@ def test_auto_dtype_is_bf16_for_training_work_only_where_native(monkeypatch):
     greedy output would stop matching the baseline); training work takes bf16 where it is native."""
     from click.testing import CliRunner
 
-    from dflash_trt import pipeline
+    from dflash_trt import api
     from dflash_trt.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for native in (True, False):
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
-        assert pipeline.native_bf16() is native
-        assert pipeline.parse_dtype("auto") == torch.float32
-        assert pipeline.parse_dtype("auto", for_training=True) == (torch.bfloat16 if native else torch.float32)
-    assert pipeline.parse_dtype("float32", for_training=True) == torch.float32
+        assert api.native_bf16() is native
+        assert api.parse_dtype("auto") == torch.float32
+        assert api.parse_dtype("auto", for_training=True) == (torch.bfloat16 if native else torch.float32)
+    assert api.parse_dtype("float32", for_training=True) == torch.float32
     with pytest.raises(ConfigError, match="dtype='bf17'"):
-        pipeline.parse_dtype("bf17", for_training=True)
+        api.parse_dtype("bf17", for_training=True)
     assert TrainConfig().bf16 is None  # resolved at train time: autocast where bf16 is native
     out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
     assert "--bf16 / --no-bf16" in out and "AVX512-BF16" in out
@@ -37,28 +37,28 @@ def test_device_choice_auto_explicit_and_refused(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
     from conftest import tiny_model_dir
-    from dflash_trt import pipeline
+    from dflash_trt import api
     from dflash_trt.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert pipeline.resolve_device("auto") == torch.device("cuda")
-    assert pipeline.parse_dtype("auto") == torch.bfloat16
-    assert pipeline.parse_dtype("auto", device="cpu") == torch.float32  # not bf16 emulated on the CPU
-    assert pipeline.native_bf16("cpu") is False and pipeline.native_bf16() is True
+    assert api.resolve_device("auto") == torch.device("cuda")
+    assert api.parse_dtype("auto") == torch.bfloat16
+    assert api.parse_dtype("auto", device="cpu") == torch.float32  # not bf16 emulated on the CPU
+    assert api.native_bf16("cpu") is False and api.native_bf16() is True
     with pytest.raises(ConfigError, match=r"device='cuda:3': only 1 CUDA GPU"):
-        pipeline.resolve_device("cuda:3")
-    from dflash_trt.engine.target import TargetModel
+        api.resolve_device("cuda:3")
+    from dflash_trt.modeling.target import TargetModel
 
     seen, packed = [], []
     monkeypatch.setattr(TargetModel, "from_pretrained", classmethod(lambda cls, path, dtype, device: seen.append(
         (device, dtype)) or device))
-    monkeypatch.setattr("dflash_trt.engine.cpu_pack.pack_target", packed.append)
+    monkeypatch.setattr("dflash_trt.modeling.cpu_pack.pack_target", packed.append)
     folder = tiny_model_dir(tmp_path / "t")
-    pipeline.load_target(str(folder))
-    pipeline.load_target(str(folder), device="cpu")
-    pipeline.load_target(str(folder), for_training=True, device="cpu")
+    api.load_target(str(folder))
+    api.load_target(str(folder), device="cpu")
+    api.load_target(str(folder), for_training=True, device="cpu")
     assert seen == [(torch.device("cuda"), torch.bfloat16), (torch.device("cpu"), torch.float32),
                     (torch.device("cpu"), torch.float32)]
     assert packed == [torch.device("cpu")]  # CPU weights are packed for inference, not on the GPU or for training
@@ -66,14 +66,14 @@ def test_device_choice_auto_explicit_and_refused(monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert pipeline.resolve_device("auto") == torch.device("cpu")
+    assert api.resolve_device("auto") == torch.device("cpu")
     for bad, msg in (("cuda", "sees no CUDA GPU"), ("cuda:0", "sees no CUDA GPU"), ("tpu", "choose auto, cpu"),
                      ("cuda:x", "choose auto, cpu")):
         with pytest.raises(ConfigError, match=msg):
-            pipeline.resolve_device(bad)
+            api.resolve_device(bad)
     with pytest.raises(ConfigError, match="device='cuda'"):
         TrainConfig(device="cuda")
-    tgt, _ = pipeline.load_target(str(folder), device="cpu")
+    tgt, _ = api.load_target(str(folder), device="cpu")
     assert tgt.device == torch.device("cpu") and tgt.dtype == torch.float32
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     (tmp_path / "t.txt").write_text("def add(a, b):\n    return a + b\n" * 20)

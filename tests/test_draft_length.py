@@ -1,4 +1,4 @@
-"""Confidence-gated draft length (spec/draft_length.py): which drafts get verified, and that gating
+"""Confidence-gated draft length (decoding/draft_length.py): which drafts get verified, and that gating
 never changes what is emitted (greedy == baseline; sampled output ~ the target's distribution)."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from conftest import OracleDrafter, tiny_drafter, tiny_target
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.draft_length import draft_lengths
-from dflash_trt.spec.engine import SpecEngine
-from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.decoding.draft_length import draft_lengths
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate, generate_baseline
 from test_loop import PROMPTS, _exact_marginals
 from test_verify import chi2_pvalue
 

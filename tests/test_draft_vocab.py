@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_target
 from dflash_trt.config import DrafterConfig, SamplingParams
-from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import CheckpointError, ConfigError
-from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.train.objective import dflash_loss, drafter_train_forward, make_blocks
 from dflash_trt.train.trainer import frequent_tokens
 from test_loop import _exact_marginals

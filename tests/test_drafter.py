@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_drafter, tiny_target
 from dflash_trt.config import DrafterConfig, default_target_layer_ids
-from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import CheckpointError, ConfigError, IncompatibleModelsError
 
 

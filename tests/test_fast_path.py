@@ -1,4 +1,4 @@
-"""The engine on the Triton kernels (engine/fast_path.py) == the plain-PyTorch engine.
+"""The engine on the Triton kernels (modeling/fast_path.py) == the plain-PyTorch engine.
 
 Runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is imported, as
 tests/test_kernels.py does), on a tiny random Qwen3 target with a drafter of head_dim 32 (the
@@ -29,11 +29,11 @@ import dflash_trt.kernels.accept as accept_mod  # noqa: E402
 import dflash_trt.kernels.attention as attention_mod  # noqa: E402
 import dflash_trt.kernels.inject as inject_mod  # noqa: E402
 from dflash_trt.config import DrafterConfig, SamplingParams  # noqa: E402
-from dflash_trt.engine import fast_path  # noqa: E402
-from dflash_trt.engine.drafter import DFlashDrafter  # noqa: E402
+from dflash_trt.modeling import fast_path  # noqa: E402
+from dflash_trt.modeling.drafter import DFlashDrafter  # noqa: E402
 from dflash_trt.errors import DFlashError  # noqa: E402
-from dflash_trt.spec.engine import SpecEngine  # noqa: E402
-from dflash_trt.spec.loop import generate, generate_baseline  # noqa: E402
+from dflash_trt.decoding.engine import SpecEngine  # noqa: E402
+from dflash_trt.decoding.loop import generate, generate_baseline  # noqa: E402
 
 
 def _restore_interpret():
@@ -172,10 +172,10 @@ def _scripted_run(target, drafter, params_of, **engine_kw):
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_graph_replay_equals_eager(target, sampled):
-    """The propose step replayed from static buffers (engine/cuda_graph.py) == the eager loop,
+    """The propose step replayed from static buffers (modeling/cuda_graph.py) == the eager loop,
     while rows leave and join. eager_capture stands in for torch.cuda.graph on CPU with a real
     graph's contract: every replay overwrites the same output tensors in place."""
-    from dflash_trt.engine.cuda_graph import eager_capture
+    from dflash_trt.modeling.cuda_graph import eager_capture
 
     drafter = kernel_drafter(target, 4)
 
@@ -202,7 +202,7 @@ def test_graph_replay_equals_eager(target, sampled):
 
 def test_graph_recaptured_exactly_when_the_key_changes(target):
     """GraphedPropose recaptures for another cache storage or batch size and replays otherwise."""
-    from dflash_trt.engine.cuda_graph import GraphedPropose, eager_capture
+    from dflash_trt.modeling.cuda_graph import GraphedPropose, eager_capture
 
     drafter = kernel_drafter(target, 4)
     drafter.use_kernels("triton")
@@ -284,7 +284,7 @@ def test_cli_generate_kernels_option(tmp_path, monkeypatch):
     from conftest import tiny_model_dir
 
     from dflash_trt.cli import main
-    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.modeling.target import TargetModel
 
     target_dir = tiny_model_dir(tmp_path / "target")
     t = TargetModel.from_pretrained(target_dir, dtype=torch.float32)

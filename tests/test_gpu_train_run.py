@@ -95,7 +95,7 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch):
     (tmp_path / "d.tar").write_bytes(raw)
     with tarfile.open(tmp_path / "d.tar") as tf:
         tf.extractall(tmp_path / "shipped", filter="data")
-    from dflash_trt.pipeline import load_drafter, load_target
+    from dflash_trt.api import load_drafter, load_target
 
     tgt, _ = load_target(str(src), device="cpu")
     drafter = load_drafter(tgt, str(tmp_path / "shipped" / "drafter"))

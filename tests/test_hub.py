@@ -1,4 +1,4 @@
-"""models/hub.py: registry, sha check, idempotence, atomic folders (fast, no network) + one real fetch."""
+"""hub/models.py: registry, sha check, idempotence, atomic folders (fast, no network) + one real fetch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.errors import CheckpointError, DFlashError
-from dflash_trt.models import hub
+from dflash_trt.hub import models as hub
 
 PARTS = [b"GGUF-part-one-", b"part-two-", b"part-three"]
 

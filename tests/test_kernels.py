@@ -33,7 +33,7 @@ from dflash_trt.kernels import (block_draft_attention, greedy_accept, kernels_av
 from dflash_trt.kernels import aot, trt_plugins  # noqa: E402
 from dflash_trt.kernels.reference import (block_draft_attention_ref, kv_inject_ref,  # noqa: E402
                                           rope_inv_freq)
-from dflash_trt.spec import verify  # noqa: E402
+from dflash_trt.decoding import verify  # noqa: E402
 from dflash_trt.kernels.inject import kv_inject_kernel  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -256,7 +256,7 @@ def test_greedy_accept_matches_verify(R, B, V):
 
 
 def test_greedy_accept_stops_at_a_masked_draft():
-    """The engine marks drafts past a row's gated length with -1 (spec/engine.py accept): kernel and
+    """The engine marks drafts past a row's gated length with -1 (decoding/engine.py accept): kernel and
     reference stop there and take the bonus from that position."""
     draft, logits, am = _greedy_case(3, 8, 37, seed=5)
     draft[:, 1:] = am[:, :-1]  # every draft right ...
@@ -275,7 +275,7 @@ def test_rejection_accept_matches_verify(R, B, V):
     draft = torch.randint(0, V, (R, B), generator=g)
     u_accept = torch.rand(R, B - 1, generator=g) * 0.2
     u_sample = torch.rand(R, generator=g)
-    # B = 1: no drafts (a gated step, spec/draft_length.py), the bonus is a plain sample from p[0]
+    # B = 1: no drafts (a gated step, decoding/draft_length.py), the bonus is a plain sample from p[0]
     u_accept[0] = 0.0  # row 0: every draft with p > 0 accepted -> bonus from p[B-1]
     if R > 1 and B > 1:
         q[1, 0], u_accept[1, 0] = p[1, 0], 1.0 - 1e-7  # row 1: rejected where p == q -> empty residual

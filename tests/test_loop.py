@@ -5,8 +5,8 @@ import torch
 
 from conftest import OracleDrafter, tiny_drafter, tiny_target
 from dflash_trt.config import SamplingParams
-from dflash_trt.spec.engine import SpecEngine
-from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate, generate_baseline
 from test_verify import chi2_pvalue
 
 PROMPTS = {1: [[5, 17, 42, 99, 3, 250, 7]], 3: [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [200]]}

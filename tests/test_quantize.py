@@ -1,4 +1,4 @@
-"""FP8 / NVFP4 quantisation (dflash_trt.build.formats, .quantize, .hf_checkpoint), checked against
+"""FP8 / NVFP4 quantisation (dflash_trt.deploy.formats, .quantize, .hf_checkpoint), checked against
 the format definitions; and, when nvidia-modelopt is importable, bit-for-bit against modelopt."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from dflash_trt.build import formats as F
-from dflash_trt.build.quantize import (calibrate_act_amax, check_quant_target, dequantize_state_dict,
+from dflash_trt.deploy import formats as F
+from dflash_trt.deploy.quantize import (calibrate_act_amax, check_quant_target, dequantize_state_dict,
                                        load_quantized_checkpoint, quantizable_modules, quantize_state_dict,
                                        save_quantized_checkpoint)
 from dflash_trt.errors import ConfigError

@@ -14,7 +14,7 @@ from dflash_trt.quickstart import QuickstartConfig, run_quickstart
 
 @pytest.fixture
 def tiny_setup(tmp_path, monkeypatch):
-    from dflash_trt.pipeline import load_target
+    from dflash_trt.api import load_target
 
     folder = str(tiny_model_dir(tmp_path / "t"))
     target, _ = load_target(folder, "float32", progress=False, device="cpu")

@@ -10,16 +10,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from dflash_trt.pipeline import load_target, load_tokenizer
+    from dflash_trt.api import load_target, load_tokenizer
 
     target, path = load_target("smollm2-135m-instruct", "float32", progress=False)
     return target, load_tokenizer(path)
 
 
 def test_greedy_dflash_equals_baseline_on_real_model(smollm2):
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.pipeline import encode, stop_ids
-    from dflash_trt.spec.loop import generate, generate_baseline
+    from dflash_trt.modeling.drafter import DFlashDrafter
+    from dflash_trt.api import encode, stop_ids
+    from dflash_trt.decoding.loop import generate, generate_baseline
 
     target, tok = smollm2
     torch.manual_seed(0)

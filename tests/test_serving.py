@@ -19,12 +19,12 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installe
 from conftest import tiny_drafter, tiny_model_dir  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
-from dflash_trt.engine.target import TargetModel  # noqa: E402
+from dflash_trt.modeling.target import TargetModel  # noqa: E402
 from dflash_trt.serving.client import DFlashClient, ServingError  # noqa: E402
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo  # noqa: E402
 from dflash_trt.serving.server import ServerError, TritonServer  # noqa: E402
 from dflash_trt.serving.text import TextCodec  # noqa: E402
-from dflash_trt.spec.loop import generate_baseline  # noqa: E402
+from dflash_trt.decoding.loop import generate_baseline  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a server start is ~15 s on 2 CPU cores
 BLOCK = 4

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_drafter, tiny_model_dir, tiny_target, tiny_tokenizer
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.engine.target import TargetModel
+from dflash_trt.modeling.target import TargetModel
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
 from dflash_trt.serving.protocol import (
@@ -26,8 +26,8 @@ from dflash_trt.serving.protocol import (
 )
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, placeholders
 from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, split_stop_sequences, text_delta
-from dflash_trt.spec.engine import SpecEngine
-from dflash_trt.spec.loop import generate_baseline
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate_baseline
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_hf
-from dflash_trt.engine.target import TargetModel
+from dflash_trt.modeling.target import TargetModel
 
 
 @pytest.mark.parametrize("fam", ["qwen3", "qwen2", "llama"])

@@ -8,9 +8,9 @@ import torch
 
 from conftest import tiny_hf, tiny_target
 from dflash_trt.config import DrafterConfig, SamplingParams
-from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import ConfigError, DFlashError
-from dflash_trt.spec.loop import generate, generate_baseline
+from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.train.data import load_prompts, read_sequences
 from dflash_trt.train.trainer import TrainConfig, train
 
@@ -348,8 +348,8 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
 
     from conftest import tiny_drafter, tiny_model_dir
     from dflash_trt.cli import main
-    from dflash_trt.engine.target import TargetModel
-    from dflash_trt.pipeline import encode, load_tokenizer
+    from dflash_trt.modeling.target import TargetModel
+    from dflash_trt.api import encode, load_tokenizer
 
     tdir = tiny_model_dir(tmp_path / "t")
     t = TargetModel.from_pretrained(tdir, dtype=torch.float32)
@@ -394,7 +394,7 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     r = CliRunner().invoke(main, args + ["--block-size", "4,x"])
     assert r.exit_code == 2 and "--block-size" in r.output
     # a DFlash output that differs from the baseline: a bug in fp32, a counted rounding effect in bf16
-    import dflash_trt.spec.loop as loop
+    import dflash_trt.decoding.loop as loop
 
     monkeypatch.undo()  # the busy-machine snapshots above
     real = loop.generate

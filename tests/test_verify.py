@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import ConfigError
-from dflash_trt.spec.verify import greedy_accept, rejection_accept, sample_tokens, warp_logits
+from dflash_trt.decoding.verify import greedy_accept, rejection_accept, sample_tokens, warp_logits
 
 
 def test_greedy_accept_hand_built():

@@ -1,1 +1,1 @@
-"""Package data: drafters trained by dflash-trt (see dflash_trt/models/drafters.py)."""
+"""Package data: drafters trained by dflash-trt (see dflash_trt/hub/drafters.py)."""

@@ -108,7 +108,7 @@ class Baseline(Method):
     name = "baseline"
 
     def run(self, item, params):
-        from dflash_trt.spec.loop import generate_baseline
+        from dflash_trt.decoding.loop import generate_baseline
 
         t0 = time.perf_counter()
         res = generate_baseline(self.ctx.target, [item.ids], params)
@@ -128,7 +128,7 @@ class DFlash(Method):
         self.drafter = self.ctx.drafter(self.block_size)
 
     def run(self, item, params):
-        from dflash_trt.spec.loop import generate
+        from dflash_trt.decoding.loop import generate
 
         t0 = time.perf_counter()
         res = generate(self.ctx.target, self.drafter, [item.ids], params, draft_cutoff=self.ctx.cfg.draft_cutoff)

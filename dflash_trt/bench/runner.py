@@ -26,7 +26,7 @@ from dflash_trt.bench.datasets import load_dataset
 from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, Run, neutral_generation_config
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
-from dflash_trt.spec.draft_length import check_cutoff
+from dflash_trt.decoding.draft_length import check_cutoff
 
 DEFAULT_METHODS = ("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "dflash-triton")
 
@@ -50,7 +50,7 @@ class BenchConfig:
     seed: int = 0
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     block_size: int | None = None
-    draft_cutoff: float = 0.0  # dflash: verify only the drafts the drafter is this sure of (spec/draft_length.py)
+    draft_cutoff: float = 0.0  # dflash: verify only the drafts the drafter is this sure of (decoding/draft_length.py)
     out_dir: str = "bench_out"
     dtype: str = "auto"
     device: str = "auto"
@@ -83,8 +83,8 @@ class BenchContext:
     """Models and options shared by the methods of one bench run."""
 
     def __init__(self, cfg: BenchConfig, progress: bool = True):
-        from dflash_trt.pipeline import load_target, load_tokenizer, resolve_device, stop_ids
-        from dflash_trt.spec.engine import _eos_ids
+        from dflash_trt.api import load_target, load_tokenizer, resolve_device, stop_ids
+        from dflash_trt.decoding.engine import _eos_ids
 
         self.cfg, self.chat = cfg, cfg.chat
         self.device = resolve_device(cfg.device)
@@ -101,7 +101,7 @@ class BenchContext:
         self._tmp = tempfile.TemporaryDirectory(prefix="dflash-bench-")
 
     def drafter(self, block_size: int | None = None):
-        from dflash_trt.pipeline import load_drafter
+        from dflash_trt.api import load_drafter
 
         b = block_size or self.cfg.block_size
         if b not in self._drafters:
@@ -114,13 +114,13 @@ class BenchContext:
     def load_assistant(self):
         from transformers import AutoModelForCausalLM
 
-        from dflash_trt.pipeline import load_tokenizer, parse_dtype, resolve_target_dir
+        from dflash_trt.api import load_tokenizer, parse_dtype, resolve_target_dir
 
         path = resolve_target_dir(self.assistant)
         dtype = parse_dtype(self.cfg.dtype, device=self.device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         if self.target.packed:  # the assistant runs on the same CPU GEMMs as the target
-            from dflash_trt.engine.cpu_pack import pack_hf_model
+            from dflash_trt.modeling.cpu_pack import pack_hf_model
 
             pack_hf_model(model)
         tokenizer = load_tokenizer(path)
@@ -150,7 +150,7 @@ def fit_prompt(tokenizer, text: str, chat: bool, length: int | None, filler: str
     """(text, ids) with the prompt cut (or, with `filler`, padded in front) so that the encoded
     prompt has about `length` tokens; None keeps it. Cuts are made on the content tokens, so the
     chat template stays intact; the re-encoded length can differ from `length` by a token or two."""
-    from dflash_trt.pipeline import encode
+    from dflash_trt.api import encode
 
     ids = encode(tokenizer, text, chat)
     if length is None or len(ids) == length or (len(ids) < length and not filler):
@@ -264,7 +264,7 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
     Raises OutputMismatchError (after writing) if a lossless method's greedy output differs."""
     from dflash_trt.bench import report, scaling
     from dflash_trt.contention import CpuWatch, contention_warning
-    from dflash_trt.pipeline import inexact_greedy_note
+    from dflash_trt.api import inexact_greedy_note
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

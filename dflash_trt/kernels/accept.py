@@ -1,7 +1,7 @@
 """accept: verification of a drafted block on the GPU (greedy and rejection sampling).
 
 Boundary: two Triton kernels + launchers, one program per row. They must equal, value for
-value, the project's reference dflash_trt.spec.verify.greedy_accept / rejection_accept
+value, the project's reference dflash_trt.decoding.verify.greedy_accept / rejection_accept
 (read that module for the vocabulary: block = [x0, d1..d_{B-1}], accepted, bonus).
 
 greedy:    draft [R, B], target argmax [R, B] (or logits [R, B, V]: argmax taken in-kernel,
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from dflash_trt.kernels import check_device, interpreting, next_pow2
-from dflash_trt.spec.verify import Verdict
+from dflash_trt.decoding.verify import Verdict
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def greedy_accept(draft: torch.Tensor, target: torch.Tensor, *, block_v: int | N
 
 def rejection_accept(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, u_accept: torch.Tensor,
                      u_sample: torch.Tensor, *, block_v: int | None = None, num_warps: int = 4) -> Verdict:
-    """Lossless speculative sampling; shapes as dflash_trt.spec.verify.rejection_accept."""
+    """Lossless speculative sampling; shapes as dflash_trt.decoding.verify.rejection_accept."""
     R, B = draft.shape
     V = p.shape[-1]
     if p.shape != (R, B, V) or q.shape != (R, B - 1, V) or u_accept.shape != (R, B - 1) \

@@ -4,7 +4,7 @@ Boundary: pure tensor in, tensor out; no Triton, no CUDA. These functions define
 semantics and are what tests/test_kernels.py compares every launcher against. They are
 written for clarity (per-row loops), not speed.
 
-Conventions shared with the kernels (see dflash_trt/engine/drafter.py for the model side):
+Conventions shared with the kernels (see dflash_trt/modeling/drafter.py for the model side):
   caches, contiguous: k_cache/v_cache [R, H_kv, S_max, D] per layer; slot == absolute position.
   caches, paged:      pool [num_pages, H_kv, page_size, D] + block_table [R, max_pages] int32;
                       position p of row r -> page block_table[r, p // page_size], offset p % page_size.
@@ -13,7 +13,7 @@ Conventions shared with the kernels (see dflash_trt/engine/drafter.py for the mo
   k_norm:             x * rsqrt(mean(x^2) + eps) * w in fp32 over head_dim.
   RoPE:               Hugging Face rotate_half, emb = cat(freqs, freqs), freqs = pos * inv_freq.
   GQA:                query head h reads kv head h // (H // H_kv); softmax scale D ** -0.5.
-The accept kernels' references are dflash_trt.spec.verify.greedy_accept / rejection_accept.
+The accept kernels' references are dflash_trt.decoding.verify.greedy_accept / rejection_accept.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ def register(main: click.Group) -> None:
         if model_repo is None:
             if not (target and drafter_dir):
                 raise DFlashError("give --model-repo DIR, or --target and --drafter to build one on the fly")
-            from dflash_trt.models.drafters import resolve_drafter
-            from dflash_trt.pipeline import resolve_target_dir
+            from dflash_trt.hub.drafters import resolve_drafter
+            from dflash_trt.api import resolve_target_dir
 
             drafter_dir = resolve_drafter(drafter_dir)
 

@@ -279,9 +279,9 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
                           f"(TensorRT-LLM engines are served by their own backend)")
     if max_batch < 1 or max_seq_len < 2:
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
-    from dflash_trt.pipeline import load_drafter, load_target
-    from dflash_trt.spec.draft_length import check_cutoff
-    from dflash_trt.spec.engine import SpecEngine
+    from dflash_trt.api import load_drafter, load_target
+    from dflash_trt.decoding.draft_length import check_cutoff
+    from dflash_trt.decoding.engine import SpecEngine
 
     check_cutoff(draft_cutoff)
 
@@ -294,6 +294,6 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
     target = load_target(str(target_dir), dtype, progress=False)[0]
     drafter = load_drafter(target, str(drafter_dir)).eval()
     # cuda_graph off: under continuous batching the rows change almost every step and each change
-    # would recapture the graph (engine/cuda_graph.py), costing more than replay saves
+    # would recapture the graph (modeling/cuda_graph.py), costing more than replay saves
     return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off",
                               draft_cutoff=draft_cutoff)

@@ -50,7 +50,7 @@ def default_values(target_dir: str | Path, drafter_dir: str | Path, tokenizer_di
         "triton_max_batch_size": 64,
         "unary_instance_count": 2,
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
-        "draft_cutoff": 0.0,  # spec/draft_length.py; 0 = verify every draft
+        "draft_cutoff": 0.0,  # decoding/draft_length.py; 0 = verify every draft
     }
     unknown = set(overrides) - set(values)
     if unknown:

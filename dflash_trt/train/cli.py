@@ -59,7 +59,7 @@ def register(main: click.Group) -> None:
     @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
     @friendly_errors
     def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, device, validation):
-        from dflash_trt.pipeline import load_target, load_tokenizer
+        from dflash_trt.api import load_target, load_tokenizer
         from dflash_trt.errors import DFlashError
         from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts
         from dflash_trt.train.validate import is_validation, mark_validation
@@ -92,7 +92,7 @@ def register(main: click.Group) -> None:
     def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
         """Teacher-forced data: the target scores existing text once (its greedy next token at every
         position becomes the label); about 5x the tokens per CPU minute of regenerating answers."""
-        from dflash_trt.pipeline import load_target, load_tokenizer
+        from dflash_trt.api import load_target, load_tokenizer
         from dflash_trt.train.corpus import agreement, load_texts, score_corpus
         from dflash_trt.train.data import read_sequences
 

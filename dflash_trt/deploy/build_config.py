@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import ConfigError
-from dflash_trt.spec.draft_length import check_cutoff
+from dflash_trt.decoding.draft_length import check_cutoff
 
 BACKENDS = ("torch", "tensorrt-llm", "trtllm-pytorch")
 QUANTS = ("bf16", "fp8", "nvfp4")
@@ -143,7 +143,7 @@ class BuildConfig:
     def _check_gpu_generation(self) -> None:
         """NVFP4 tensor cores exist on Blackwell only: refuse nvfp4 for sm_90 (quantize.check_quant_target
         decides; its message is re-worded to this config's field names)."""
-        from dflash_trt.build.quantize import check_quant_target
+        from dflash_trt.deploy.quantize import check_quant_target
 
         for name in ("target_quant", "drafter_quant"):
             try:

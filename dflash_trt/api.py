@@ -90,7 +90,7 @@ def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
         if not (p / "config.json").is_file():
             raise DFlashError(f"--target {p}: folder has no config.json (expected a Hugging Face model folder)")
         return p
-    from dflash_trt.models.hub import resolve_model
+    from dflash_trt.hub.models import resolve_model
 
     return Path(resolve_model(name_or_dir, fetch=True, progress=progress))
 
@@ -99,10 +99,10 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
                 device: str | torch.device = "auto", packed: bool | None = None):
     """The target engine on `device` (auto: the GPU where there is one); for_training: 'auto' dtype
     as parse_dtype picks it for training work. packed: CPU linear weights prepacked for oneDNN
-    (engine/cpu_pack.py); None = wherever it runs (CPU inference), False where the plain nn.Linear
+    (modeling/cpu_pack.py); None = wherever it runs (CPU inference), False where the plain nn.Linear
     modules are needed (training, quantisation calibration)."""
-    from dflash_trt.engine.cpu_pack import pack_target, pack_unavailable_reason
-    from dflash_trt.engine.target import TargetModel
+    from dflash_trt.modeling.cpu_pack import pack_target, pack_unavailable_reason
+    from dflash_trt.modeling.target import TargetModel
 
     dev = resolve_device(device)  # before any download: a wrong --device fails at once
     torch_dtype = parse_dtype(dtype, for_training, dev)
@@ -111,7 +111,7 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
     elif packed and (why := pack_unavailable_reason(dev, torch_dtype)):  # also before loading anything
         raise DFlashError(f"cannot pack the target's CPU weights: {why}")
     path = resolve_target_dir(name_or_dir, progress)
-    from dflash_trt.build.simulate import is_quantized_dir, load_quantized_target
+    from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_target
 
     if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (simulation)
         target = load_quantized_target(path, torch_dtype).to(dev)
@@ -125,14 +125,14 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
 def load_drafter(target, drafter_dir: str | None, block_size: int | None = None, random_init: bool = False,
                  seed: int = 0):
     """The drafter for `target`: from a checkpoint folder, or freshly initialised (random_init)."""
-    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.modeling.drafter import DFlashDrafter
 
     if block_size is not None:
         check_block_size(block_size)
-    from dflash_trt.build.simulate import is_quantized_dir, load_quantized_drafter
+    from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter
 
     if drafter_dir:
-        from dflash_trt.models.drafters import resolve_drafter
+        from dflash_trt.hub.drafters import resolve_drafter
 
         drafter_dir = resolve_drafter(drafter_dir)
     if drafter_dir and is_quantized_dir(drafter_dir):  # FP8/NVFP4 drafter: dequantise on load
@@ -150,7 +150,7 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
     if block_size is not None:
         set_block_size(drafter, block_size)
     if getattr(target, "packed", False):  # a packed target runs inference only: so does its drafter
-        from dflash_trt.engine.cpu_pack import pack_drafter
+        from dflash_trt.modeling.cpu_pack import pack_drafter
 
         pack_drafter(drafter)
     return drafter.eval()
@@ -223,7 +223,7 @@ def run_generate(target, drafter, tokenizer, prompt_ids: list[int], params: Samp
                  baseline: bool = False, kernels: str = "auto", cuda_graph: str = "auto",
                  draft_cutoff: float = 0.0) -> Comparison:
     """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
-    from dflash_trt.spec.loop import generate, generate_baseline
+    from dflash_trt.decoding.loop import generate, generate_baseline
 
     out = generate(target, drafter, [prompt_ids], params, kernels=kernels, cuda_graph=cuda_graph,
                    draft_cutoff=draft_cutoff)

@@ -29,7 +29,7 @@ class KVCache:
 
     def check_room(self, n: int) -> None:
         if self.lengths.is_cuda and torch.cuda.is_current_stream_capturing():
-            return  # a host sync cannot be captured; engine/cuda_graph.py checks before each replay
+            return  # a host sync cannot be captured; modeling/cuda_graph.py checks before each replay
         need = int(self.lengths.max()) + n
         if need > self.max_len:
             raise DFlashError(f"KV cache full: {need} positions needed, max_len={self.max_len}; "

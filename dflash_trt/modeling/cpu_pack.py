@@ -5,8 +5,8 @@ swaps a model's nn.Linear modules (attention and MLP projections, the LM head) f
 which holds the weight once in oneDNN's blocked layout and runs `mkldnn_linear`: still an fp32 GEMM.
 Only float32 weights are packed (the CPU's generation dtype): bf16 linears already go through oneDNN,
 and packing them gained nothing here. Training, quantisation calibration and anything that needs the
-modules' parameters load the target unpacked (pipeline.load_target(packed=False)). A drafter loaded
-next to a packed target (pipeline.load_drafter) is packed too (`pack_drafter`), keeping its weights
+modules' parameters load the target unpacked (api.load_target(packed=False)). A drafter loaded
+next to a packed target (api.load_drafter) is packed too (`pack_drafter`), keeping its weights
 registered; a drafter being trained never is.
 
 Why: with the weight in nn.Linear's [out, in] layout, F.linear's few-row fp32 products on this CPU

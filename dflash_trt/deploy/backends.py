@@ -25,7 +25,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from dflash_trt.build.config import BuildConfig
+from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.errors import DFlashError
 
 DOCKER_HINT = ("run it on a GPU host in the NGC image: `docker build -t dflash-trt .` then `docker run --gpus all "
@@ -80,7 +80,7 @@ def build_trtllm_engines(ctx) -> dict:
     """trtllm-build on the converted checkpoints. Target: whole verify blocks in one step
     (draft_tokens_external, max_draft_len B-1) with logits for every block position. Drafter: the
     DFlashDraftModel network from plugins_dir, whose attention uses the DFlash plugins."""
-    from dflash_trt.build.stages import write_json
+    from dflash_trt.deploy.stages import write_json
 
     cfg, block = ctx.cfg, ctx.info["check"]["block_size"]
     ckpt, eng = ctx.work / "trtllm_ckpt", ctx.work / "engine"
@@ -122,7 +122,7 @@ def write_llmapi_engine(ctx) -> dict:
     """engine/model.yaml + engine/drafter (the z-lab drafter, which TensorRT-LLM's DFlash loads)."""
     import yaml
 
-    from dflash_trt.build.stages import copy_tree
+    from dflash_trt.deploy.stages import copy_tree
 
     eng = ctx.work / "engine"
     copy_tree(ctx.dirs["drafter"], eng / "drafter", files_only=True)

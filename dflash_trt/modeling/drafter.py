@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine.cache import KVCache
-from dflash_trt.engine.target import apply_rope, cached_attention
+from dflash_trt.modeling.cache import KVCache
+from dflash_trt.modeling.target import apply_rope, cached_attention
 from dflash_trt.errors import CheckpointError, IncompatibleModelsError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -165,7 +165,7 @@ class DFlashDrafter(nn.Module):
         """Run inject_context / draft_block on the Triton kernels ("triton"), the PyTorch
         reference ("torch") or whichever fits this device ("auto"); returns the one in use.
         Caches made before a switch belong to the old path (make new ones)."""
-        from dflash_trt.engine.fast_path import drafter_ops
+        from dflash_trt.modeling.fast_path import drafter_ops
 
         self._fast = drafter_ops(self, mode)
         return self.kernels
@@ -235,7 +235,7 @@ class DFlashDrafter(nn.Module):
             if getattr(self, "_head_rows", (None,))[0] != key:
                 rows = w.detach().index_select(0, self.draft_vocab.to(w.device))
                 if packed:
-                    from dflash_trt.engine.cpu_pack import packed_matrix
+                    from dflash_trt.modeling.cpu_pack import packed_matrix
 
                     rows = packed_matrix(rows)
                 object.__setattr__(self, "_head_rows", (key, rows))

@@ -1,7 +1,7 @@
 """The `eval` build stage: how much do fp8 / nvfp4 weights change DFlash, on held-out prompts?
 
 Boundary: measurement only. Greedy DFlash generation of the bf16 pair (the input folders) and of
-the quantized pair (the `quantize` outputs, dequantised on load: build/simulate.py) on prompts
+the quantized pair (the `quantize` outputs, dequantised on load: deploy/simulate.py) on prompts
 that were not used for calibration; reports each pair's tau (accepted tokens per verify step)
 and how often the quantized pair emits the same greedy tokens as the bf16 pair.
   token_agreement   matching positions / positions of the bf16 output (position by position;
@@ -12,7 +12,7 @@ and how often the quantized pair emits the same greedy tokens as the bf16 pair.
 
 from __future__ import annotations
 
-from dflash_trt.build.stages import write_json
+from dflash_trt.deploy.stages import write_json
 
 # Held-out prompts: written for this report, never used for calibration (calibration uses stdlib
 # docstring prompts) or training. Mixed code / prose / arithmetic, short enough for CPU runs.
@@ -66,8 +66,8 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 
 
 def _run_pair(target_dir, drafter_dir, ids, params, dtype):
-    from dflash_trt.pipeline import load_drafter, load_target
-    from dflash_trt.spec.loop import generate
+    from dflash_trt.api import load_drafter, load_target
+    from dflash_trt.decoding.loop import generate
 
     target, _ = load_target(str(target_dir), dtype, progress=False)
     drafter = load_drafter(target, str(drafter_dir))
@@ -77,7 +77,7 @@ def _run_pair(target_dir, drafter_dir, ids, params, dtype):
 
 def evaluate_quantized(ctx) -> dict:
     from dflash_trt.config import SamplingParams
-    from dflash_trt.pipeline import encode, load_tokenizer, stop_ids
+    from dflash_trt.api import encode, load_tokenizer, stop_ids
 
     cfg = ctx.cfg
     tok = load_tokenizer(ctx.dirs["tokenizer"])

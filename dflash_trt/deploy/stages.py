@@ -1,8 +1,8 @@
 """The build stages, one library function each; each writes only its own folder under the build dir.
 
 Boundary: what a stage produces. Ordering, caching, the temp dir and build.json live in
-build/pipeline.py; the TensorRT-LLM / vLLM / SGLang specifics in build/backends.py; the
-quantized-vs-bf16 report in build/quant_eval.py; `check` in build/check.py.
+deploy/run.py; the TensorRT-LLM / vLLM / SGLang specifics in deploy/backends.py; the
+quantized-vs-bf16 report in deploy/quant_eval.py; `check` in deploy/check.py.
 
 Every stage is `fn(ctx) -> info dict` and writes under `ctx.work` (the temp dir of this build),
 while any path written *into* a file points at `ctx.final` (the out dir the temp dir becomes):
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dflash_trt.build.config import BuildConfig
+from dflash_trt.deploy.build_config import BuildConfig
 
 # files of a model folder that are not weights: copied next to quantised weights so the folder
 # stays a complete Hugging Face folder (tokenizer, chat template, generation defaults)
@@ -80,7 +80,7 @@ def write_json(path: Path, obj) -> None:
 
 # ---- check -------------------------------------------------------------------------------------
 def stage_check(ctx: Context) -> dict:
-    from dflash_trt.build.check import check, print_summary
+    from dflash_trt.deploy.check import check, print_summary
 
     summary = check(ctx.cfg, ctx.dirs)
     write_json(ctx.work / "check" / "summary.json", summary)
@@ -92,7 +92,7 @@ def stage_check(ctx: Context) -> dict:
 
 # ---- quantize ----------------------------------------------------------------------------------
 def _calibration_ids(ctx: Context, tok) -> list[list[int]]:
-    from dflash_trt.pipeline import encode
+    from dflash_trt.api import encode
     from dflash_trt.train.data import load_prompts
 
     prompts = load_prompts(ctx.cfg.calib_source, ctx.cfg.calib_prompts)
@@ -106,10 +106,10 @@ def stage_quantize(ctx: Context) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from dflash_trt.build.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
+    from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
     from dflash_trt.config import SamplingParams
-    from dflash_trt.pipeline import load_drafter, load_target, load_tokenizer
-    from dflash_trt.spec.loop import generate
+    from dflash_trt.api import load_drafter, load_target, load_tokenizer
+    from dflash_trt.decoding.loop import generate
 
     cfg = ctx.cfg
     kv = None if cfg.kv_cache == "bf16" else cfg.kv_cache
@@ -153,7 +153,7 @@ def trtllm_dtype(cfg: BuildConfig) -> str:
 
 def stage_convert(ctx: Context) -> dict:
     """TensorRT-LLM 1.2 checkpoints (config.json + rank{N}.safetensors) of both models."""
-    from dflash_trt.build.convert import convert_drafter, convert_target
+    from dflash_trt.deploy.convert import convert_drafter, convert_target
 
     cfg, kv = ctx.cfg, (None if ctx.cfg.kv_cache == "bf16" else ctx.cfg.kv_cache)
     out = {}
@@ -168,8 +168,8 @@ def stage_convert(ctx: Context) -> dict:
 # ---- engine --------------------------------------------------------------------------------------
 def _torch_engine(ctx: Context) -> dict:
     """engine/{target,drafter,tokenizer} + manifest.json; quantised folders are kept quantised and
-    dequantised on load (build/simulate.py). Loaded once here to prove the folder works."""
-    from dflash_trt.pipeline import load_drafter, load_target
+    dequantised on load (deploy/simulate.py). Loaded once here to prove the folder works."""
+    from dflash_trt.api import load_drafter, load_target
 
     eng = ctx.work / "engine"
     for which in ("target", "drafter"):
@@ -192,7 +192,7 @@ def _torch_engine(ctx: Context) -> dict:
 
 
 def stage_engine(ctx: Context) -> dict:
-    from dflash_trt.build import backends
+    from dflash_trt.deploy import backends
 
     if ctx.cfg.backend == "torch":
         return _torch_engine(ctx)
@@ -207,7 +207,7 @@ STREAMING_MODELS = ("dflash_bls", "ensemble")  # decoupled entry points, dropped
 
 def stage_repo(ctx: Context) -> dict:
     """Fill the model_repo templates with this build's engine paths (pointing into the final out dir)."""
-    from dflash_trt.build import backends
+    from dflash_trt.deploy import backends
     from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
     from dflash_trt.serving.text import read_chat_template
 
@@ -234,13 +234,13 @@ def stage_repo(ctx: Context) -> dict:
 
 
 def stage_emit(ctx: Context) -> dict:
-    from dflash_trt.build import backends
+    from dflash_trt.deploy import backends
 
     return backends.emit_commands(ctx)
 
 
 def stage_eval(ctx: Context) -> dict:
-    from dflash_trt.build.quant_eval import evaluate_quantized
+    from dflash_trt.deploy.quant_eval import evaluate_quantized
 
     return evaluate_quantized(ctx)
 
@@ -248,6 +248,6 @@ def stage_eval(ctx: Context) -> dict:
 def preflight(cfg: BuildConfig) -> None:
     """Refusals that must happen before anything is written (missing TensorRT-LLM / GPU)."""
     if cfg.backend == "tensorrt-llm":
-        from dflash_trt.build.backends import trtllm_preflight
+        from dflash_trt.deploy.backends import trtllm_preflight
 
         trtllm_preflight(cfg)

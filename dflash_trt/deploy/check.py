@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from dflash_trt.build.config import BuildConfig
+from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.errors import CheckpointError, ConfigError, IncompatibleModelsError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -23,7 +23,7 @@ KV_BYTES = {"bf16": 2, "fp8": 1}
 
 def resolve_inputs(cfg: BuildConfig, progress: bool = True) -> dict[str, Path]:
     """Absolute target / drafter / tokenizer folders; errors name the field."""
-    from dflash_trt.pipeline import resolve_target_dir
+    from dflash_trt.api import resolve_target_dir
 
     try:
         target = resolve_target_dir(cfg.target, progress)
@@ -32,7 +32,7 @@ def resolve_inputs(cfg: BuildConfig, progress: bool = True) -> dict[str, Path]:
     except Exception as e:  # unknown registry name, fetch failure, folder without config.json
         msg = str(e)
         raise ConfigError(f"target={cfg.target}: {msg[msg.find(':') + 2:] if msg.startswith('--target') else msg}") from None
-    from dflash_trt.models.drafters import bundled_drafters
+    from dflash_trt.hub.drafters import bundled_drafters
 
     bundled = bundled_drafters()
     drafter = bundled[cfg.drafter].path if cfg.drafter in bundled else Path(cfg.drafter).expanduser()
@@ -58,7 +58,7 @@ def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def _weights(folder: Path) -> dict:
     """Parameter count split into quantisable Linear weights and the rest (norms, embeddings, head)."""
-    from dflash_trt.build.quantize import quantizable_modules
+    from dflash_trt.deploy.quantize import quantizable_modules
 
     shapes = _tensor_shapes(folder)
     numel = {k: math.prod(s) for k, s in shapes.items()}
@@ -72,7 +72,7 @@ def _tokenizer_ok(folder: Path) -> None:
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(f"tokenizer={folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); "
                           f"set tokenizer: to the folder that holds them")
-    from dflash_trt.pipeline import load_tokenizer
+    from dflash_trt.api import load_tokenizer
 
     try:
         load_tokenizer(folder)
@@ -85,7 +85,7 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
     from transformers import AutoConfig
 
     from dflash_trt.config import DrafterConfig
-    from dflash_trt.engine.target import SUPPORTED_MODEL_TYPES
+    from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES
 
     try:
         tc = AutoConfig.from_pretrained(dirs["target"])
@@ -117,7 +117,7 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
                           f"{tc.max_position_embeddings}; lower it")
     _tokenizer_ok(dirs["tokenizer"])
     if cfg.backend != "torch" and cfg.tp_size > 1:
-        from dflash_trt.build.convert import _check_tp, _shape
+        from dflash_trt.deploy.convert import _check_tp, _shape
 
         _check_tp(_shape(tc), cfg.tp_size)
         _check_tp(_shape(dc.to_json_dict()), cfg.tp_size)

@@ -2,7 +2,7 @@
 on the same target adapter), for a batch of prompts with per-row lengths.
 
 Boundary: batch-level entry points and aggregate statistics. The per-step loop lives in
-spec/engine.py; both functions here use the same target adapter so that their speed ratio is
+decoding/engine.py; both functions here use the same target adapter so that their speed ratio is
 the speculative speedup alone.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.spec.engine import RequestStats, SpecEngine, _eos_ids
-from dflash_trt.spec.verify import sample_tokens, warp_logits
+from dflash_trt.decoding.engine import RequestStats, SpecEngine, _eos_ids
+from dflash_trt.decoding.verify import sample_tokens, warp_logits
 
 
 @dataclass
@@ -102,9 +102,9 @@ def generate(target, drafter, input_ids, params: SamplingParams | None = None,
              max_seq_len: int | None = None, kernels: str = "auto", cuda_graph: str = "auto",
              draft_cutoff: float = 0.0, _capture=None) -> GenerationResult:
     """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L]).
-    kernels: "auto" | "triton" | "torch", the drafter / acceptance backend (engine/fast_path.py);
-    cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (engine/cuda_graph.py);
-    draft_cutoff: verify only the drafts the drafter is this sure of (spec/draft_length.py; 0 = all)."""
+    kernels: "auto" | "triton" | "torch", the drafter / acceptance backend (modeling/fast_path.py);
+    cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (modeling/cuda_graph.py);
+    draft_cutoff: verify only the drafts the drafter is this sure of (decoding/draft_length.py; 0 = all)."""
     params = params or SamplingParams()
     prompts = _as_prompts(input_ids)
     need = max(len(p) for p in prompts) + params.max_new_tokens + 1

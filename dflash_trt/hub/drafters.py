@@ -23,7 +23,7 @@ RECIPE = "recipe.json"
 class BundledDrafter:
     name: str
     path: Path
-    target: str  # model name the drafter was trained against (dflash_trt.models.hub)
+    target: str  # model name the drafter was trained against (dflash_trt.hub.models)
     block_size: int
     recipe: dict
 

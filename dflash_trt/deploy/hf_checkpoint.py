@@ -82,7 +82,7 @@ def save_quantized_checkpoint(folder: str | Path, qstate: dict[str, torch.Tensor
     """Write qstate + hf_quant_config.json + config.json (with quantization_config) to `folder`.
     require_input_scales: refuse FP8/NVFP4 checkpoints without activation scales, since modelopt
     consumers (TensorRT-LLM, vLLM) need them; pass False for simulation-only checkpoints."""
-    from dflash_trt.build.quantize import STATIC_ACT, hf_quantization_config, quantized_modules
+    from dflash_trt.deploy.quantize import STATIC_ACT, hf_quantization_config, quantized_modules
 
     algo = hf_quant_config.get("quantization", {}).get("quant_algo")
     mods = quantized_modules(qstate)
@@ -115,7 +115,7 @@ def _read_json(path: Path) -> dict:
 def load_quantized_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Read a folder written by save_quantized_checkpoint (or a modelopt HF export with one or more
     *.safetensors files). Returns (qstate, hf_quant_config, config dict)."""
-    from dflash_trt.build.quantize import quantized_modules
+    from dflash_trt.deploy.quantize import quantized_modules
 
     folder = Path(folder)
     qpath = folder / QUANT_CONFIG_NAME

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.build import tp as T
-from dflash_trt.build.hf_checkpoint import QUANT_CONFIG_NAME, atomic_dir, unshared
-from dflash_trt.build.quantize import algo_of, make_hf_quant_config, quantize_state_dict
+from dflash_trt.deploy import tp as T
+from dflash_trt.deploy.hf_checkpoint import QUANT_CONFIG_NAME, atomic_dir, unshared
+from dflash_trt.deploy.quantize import algo_of, make_hf_quant_config, quantize_state_dict
 from dflash_trt.errors import CheckpointError, ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trt.build import formats as F
+from dflash_trt.deploy import formats as F
 from dflash_trt.errors import ConfigError
 
 

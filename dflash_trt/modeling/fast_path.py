@@ -1,7 +1,7 @@
 """Kernel switch for the PyTorch engine: the drafter and acceptance on the Triton kernels.
 
 Boundary: the one place that knows how the engine's tensors map onto dflash_trt.kernels'
-launchers. The plain-PyTorch code in engine/drafter.py and spec/verify.py stays the reference
+launchers. The plain-PyTorch code in modeling/drafter.py and decoding/verify.py stays the reference
 (and the default on CPU); this module only adapts layouts and dispatches:
 
   kernels="torch"   the reference path everywhere.
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.engine.cache import KVCache
+from dflash_trt.modeling.cache import KVCache
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec import verify
-from dflash_trt.spec.verify import Verdict
+from dflash_trt.decoding import verify
+from dflash_trt.decoding.verify import Verdict
 
 MODES = ("auto", "triton", "torch")
 
@@ -181,7 +181,7 @@ def drafter_ops(drafter, mode: str):
 
 # ---- acceptance ---------------------------------------------------------------------------
 class TorchAccept:
-    """The reference: spec/verify.py."""
+    """The reference: decoding/verify.py."""
 
     name = "torch"
 

@@ -1,6 +1,6 @@
 """`run_build`: the stages in order, into a temp dir renamed into place, with a stage-level cache.
 
-Boundary: orchestration only (what each stage does is in build/stages.py). Guarantees:
+Boundary: orchestration only (what each stage does is in deploy/stages.py). Guarantees:
   * nothing is written before the preflight refusals (e.g. tensorrt-llm without TensorRT-LLM);
   * the build happens in `.OUT.build-<pid>-*` next to OUT and replaces OUT only when every stage
     succeeded: a failed or interrupted build leaves no half-written OUT, and an earlier OUT intact;
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dflash_trt.build import stages as S
-from dflash_trt.build.config import BuildConfig
+from dflash_trt.deploy import stages as S
+from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.errors import DFlashError
 
 SCHEMA = 1
@@ -151,7 +151,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 def run_build(cfg: BuildConfig, out_dir: str | Path, force: bool = False, only: str | None = None,
               echo: Callable[[str], None] = print, progress: bool = True) -> dict:
     """Run the build (or `only` one stage plus what it depends on) into out_dir; returns build.json."""
-    from dflash_trt.build.check import resolve_inputs
+    from dflash_trt.deploy.check import resolve_inputs
 
     out = Path(out_dir).expanduser().resolve()
     want = _selected(only)

@@ -5,7 +5,7 @@ build stage (hf_quant_config.json + model.safetensors) are turned back into floa
 (quantize.dequantize_state_dict) and loaded into the ordinary PyTorch modules, so the engine runs
 with exactly the rounding the quantised checkpoint carries: weight error is simulated, fp8/fp4
 GEMM arithmetic and activation quantisation are not (they need Hopper/Blackwell tensor cores).
-pipeline.load_target / load_drafter call these when a folder has hf_quant_config.json.
+api.load_target / load_drafter call these when a folder has hf_quant_config.json.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.build.hf_checkpoint import QUANT_CONFIG_NAME, load_quantized_checkpoint
+from dflash_trt.deploy.hf_checkpoint import QUANT_CONFIG_NAME, load_quantized_checkpoint
 from dflash_trt.errors import CheckpointError
 
 
@@ -23,7 +23,7 @@ def is_quantized_dir(folder: str | Path | None) -> bool:
 
 
 def _dequantized(folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
-    from dflash_trt.build.quantize import dequantize_state_dict
+    from dflash_trt.deploy.quantize import dequantize_state_dict
 
     qstate, hf_qc, cfg = load_quantized_checkpoint(folder)
     cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
@@ -34,7 +34,7 @@ def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32
     """TargetModel whose Linear weights are the dequantised FP8/NVFP4 weights of `folder`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_trt.engine.target import SUPPORTED_MODEL_TYPES, TargetModel
+    from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES, TargetModel
 
     folder = Path(folder)
     state, cfg = _dequantized(folder, dtype)
@@ -63,7 +63,7 @@ def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32
 def load_quantized_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None):
     """DFlashDrafter whose Linear weights are the dequantised FP8/NVFP4 weights of `folder`."""
     from dflash_trt.config import DrafterConfig
-    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.modeling.drafter import DFlashDrafter
 
     folder = Path(folder)
     state, cfg = _dequantized(folder, torch.float32)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.engine.cache import KVCache
+from dflash_trt.modeling.cache import KVCache
 from dflash_trt.errors import CheckpointError, DFlashError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -67,7 +67,7 @@ class TargetModel(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.scale = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.has_qk_norm = hasattr(attn, "q_norm")
-        self.packed = False  # linear weights prepacked for the CPU (engine/cpu_pack.py)
+        self.packed = False  # linear weights prepacked for the CPU (modeling/cpu_pack.py)
         for p in self.parameters():
             p.requires_grad_(False)
 

@@ -3,7 +3,7 @@
 Boundary: owns per-request state (sampling params, RNG, outputs, statistics) and the batch's
 caches; requests join (`add_request`) and leave (finish / `cancel`) between steps, so it serves
 both `generate()` and the Triton orchestrator's continuous batching. Model math lives in
-engine/, acceptance math in spec/verify.py.
+engine/, acceptance math in decoding/verify.py.
 
 Per row, between steps: the target cache holds every verified token except `last` (the token
 that opens the next block); the drafter cache holds context K/V for the same positions except
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.engine import fast_path
-from dflash_trt.engine.cuda_graph import GraphedPropose, cuda_capture
+from dflash_trt.modeling import fast_path
+from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.draft_length import check_cutoff, draft_lengths
-from dflash_trt.spec.verify import Verdict, sample_tokens, warp_logits
+from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
+from dflash_trt.decoding.verify import Verdict, sample_tokens, warp_logits
 
 
 @dataclass
@@ -89,12 +89,12 @@ class _Request:
 class SpecEngine:
     def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None,
                  kernels: str = "auto", cuda_graph: str = "auto", draft_cutoff: float = 0.0, _capture=None):
-        """kernels: "auto" | "triton" | "torch" (see engine/fast_path.py): the drafter's context
+        """kernels: "auto" | "triton" | "torch" (see modeling/fast_path.py): the drafter's context
         injection and block attention and the acceptance step on the Triton kernels or PyTorch.
         cuda_graph: "auto" | "on" | "off": replay the drafter's propose step from a CUDA graph
-        (engine/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
+        (modeling/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
         draft_cutoff: verify only the leading drafts whose cumulative drafter confidence is at least
-        this (spec/draft_length.py); 0 verifies the whole block every step.
+        this (decoding/draft_length.py); 0 verifies the whole block every step.
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
         self.target, self.drafter = target, drafter
         self.accept_ops = fast_path.accept_ops(kernels, target.device)
@@ -275,7 +275,7 @@ class SpecEngine:
     def accept(self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
                n_draft: torch.Tensor) -> Verdict:
         """block [R, W], logits [R, W, V], q [R, W-1, V] or None; row r judges its first n_draft[r] drafts."""
-        ops = self.accept_ops  # spec/verify.py, or the Triton accept kernels
+        ops = self.accept_ops  # decoding/verify.py, or the Triton accept kernels
         W = block.shape[1]
         if q is None:
             if self.draft_cutoff > 0:  # drafts past a row's length become -1, never a token: it stops there

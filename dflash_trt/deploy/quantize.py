@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from dflash_trt.build import formats as F
+from dflash_trt.deploy import formats as F
 from dflash_trt.errors import ConfigError
 
 PRODUCER = {"name": "dflash_trt", "version": "0.1.0"}
@@ -242,4 +242,4 @@ def calibrate_act_amax(model: nn.Module, run_one: Callable[[object], object], pr
     return amax
 
 
-from dflash_trt.build.hf_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint  # noqa: E402,F401
+from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint  # noqa: E402,F401

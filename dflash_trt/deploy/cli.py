@@ -1,6 +1,6 @@
-"""`dflash-trt build` (all stages) and `dflash-trt build <stage>`: thin shells over build/pipeline.py.
+"""`dflash-trt build` (all stages) and `dflash-trt build <stage>`: thin shells over deploy/run.py.
 
-Every BuildConfig field is a `--field` option (help text = the field's comment in build/config.py),
+Every BuildConfig field is a `--field` option (help text = the field's comment in deploy/build_config.py),
 overriding the YAML file given with --config. Values pass through as text and are validated by
 BuildConfig itself, so a bad value reads the same from YAML and from the command line.
 """
@@ -16,7 +16,7 @@ from dflash_trt.cli import friendly_errors
 
 
 def _field_options(fn):
-    from dflash_trt.build.config import BuildConfig
+    from dflash_trt.deploy.build_config import BuildConfig
     from dflash_trt.config import field_help
 
     hints, helps = typing.get_type_hints(BuildConfig), field_help(BuildConfig)
@@ -43,14 +43,14 @@ def _run(config_path, out, force, fields, only=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_trt.build.config import load_build_config
-    from dflash_trt.build.pipeline import run_build, stage_table
+    from dflash_trt.deploy.build_config import load_build_config
+    from dflash_trt.deploy.run import run_build, stage_table
     from dflash_trt.errors import DFlashError
 
     cfg = load_build_config(config_path, fields)
     if out is None:
         if only == "check":  # a dry check: nothing written
-            from dflash_trt.build.check import check, print_summary, resolve_inputs
+            from dflash_trt.deploy.check import check, print_summary, resolve_inputs
 
             print_summary(check(cfg, resolve_inputs(cfg)))
             click.echo("check: ok")
@@ -67,7 +67,7 @@ def _run(config_path, out, force, fields, only=None) -> None:
 
 
 def register(main: click.Group) -> None:
-    from dflash_trt.build.pipeline import STAGE_NAMES
+    from dflash_trt.deploy.run import STAGE_NAMES
 
     @main.group("build", invoke_without_command=True, context_settings={"max_content_width": 110})
     @_common
