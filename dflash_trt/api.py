@@ -13,10 +13,23 @@ from pathlib import Path
 import torch
 
 from dflash_trt.config import DrafterConfig, SamplingParams
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target
 from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.hub.drafters import resolve_drafter
+from dflash_trt.hub.models import resolve_model
+from dflash_trt.modeling.cpu_pack import pack_drafter, pack_target, pack_unavailable_reason
+from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.target import TargetModel
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -34,8 +47,10 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         raise ConfigError(f"device={name!r}: choose auto, cpu, cuda or cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device={name!r}: PyTorch sees no CUDA GPU here (torch {torch.__version__}); "
-                              f"use --device cpu, or auto to take a GPU only where there is one")
+            raise ConfigError(
+                f"device={name!r}: PyTorch sees no CUDA GPU here (torch {torch.__version__}); "
+                f"use --device cpu, or auto to take a GPU only where there is one"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"device={name!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
     return dev
@@ -79,8 +94,10 @@ def inexact_greedy_note(dtype: torch.dtype) -> str | None:
     fp32, where any difference is a bug (see parse_dtype)."""
     if dtype == torch.float32:
         return None
-    return (f"in {dtype_name(dtype)}, a verify block rounds differently from a 1-token step and near-ties can "
-            f"flip: --dtype float32 checks exactness")
+    return (
+        f"in {dtype_name(dtype)}, a verify block rounds differently from a 1-token step and near-ties can "
+        f"flip: --dtype float32 checks exactness"
+    )
 
 
 def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
@@ -90,20 +107,21 @@ def resolve_target_dir(name_or_dir: str, progress: bool = True) -> Path:
         if not (p / "config.json").is_file():
             raise DFlashError(f"--target {p}: folder has no config.json (expected a Hugging Face model folder)")
         return p
-    from dflash_trt.hub.models import resolve_model
-
     return Path(resolve_model(name_or_dir, fetch=True, progress=progress))
 
 
-def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, for_training: bool = False,
-                device: str | torch.device = "auto", packed: bool | None = None):
+def load_target(
+    name_or_dir: str,
+    dtype: str = "auto",
+    progress: bool = True,
+    for_training: bool = False,
+    device: str | torch.device = "auto",
+    packed: bool | None = None,
+):
     """The target engine on `device` (auto: the GPU where there is one); for_training: 'auto' dtype
     as parse_dtype picks it for training work. packed: CPU linear weights prepacked for oneDNN
     (modeling/cpu_pack.py); None = wherever it runs (CPU inference), False where the plain nn.Linear
     modules are needed (training, quantisation calibration)."""
-    from dflash_trt.modeling.cpu_pack import pack_target, pack_unavailable_reason
-    from dflash_trt.modeling.target import TargetModel
-
     dev = resolve_device(device)  # before any download: a wrong --device fails at once
     torch_dtype = parse_dtype(dtype, for_training, dev)
     if packed is None:
@@ -111,8 +129,6 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
     elif packed and (why := pack_unavailable_reason(dev, torch_dtype)):  # also before loading anything
         raise DFlashError(f"cannot pack the target's CPU weights: {why}")
     path = resolve_target_dir(name_or_dir, progress)
-    from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_target
-
     if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (simulation)
         target = load_quantized_target(path, torch_dtype).to(dev)
     else:
@@ -122,18 +138,13 @@ def load_target(name_or_dir: str, dtype: str = "auto", progress: bool = True, fo
     return target, path
 
 
-def load_drafter(target, drafter_dir: str | None, block_size: int | None = None, random_init: bool = False,
-                 seed: int = 0):
+def load_drafter(
+    target, drafter_dir: str | None, block_size: int | None = None, random_init: bool = False, seed: int = 0
+):
     """The drafter for `target`: from a checkpoint folder, or freshly initialised (random_init)."""
-    from dflash_trt.modeling.drafter import DFlashDrafter
-
     if block_size is not None:
         check_block_size(block_size)
-    from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter
-
     if drafter_dir:
-        from dflash_trt.hub.drafters import resolve_drafter
-
         drafter_dir = resolve_drafter(drafter_dir)
     if drafter_dir and is_quantized_dir(drafter_dir):  # FP8/NVFP4 drafter: dequantise on load
         drafter = load_quantized_drafter(drafter_dir, target=target)
@@ -141,17 +152,18 @@ def load_drafter(target, drafter_dir: str | None, block_size: int | None = None,
         drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target)
     elif random_init:
         torch.manual_seed(seed)
-        drafter = DFlashDrafter(DrafterConfig.for_target(target.config, num_layers=1,
-                                                         block_size=block_size or 16)).bind(target)
+        drafter = DFlashDrafter(
+            DrafterConfig.for_target(target.config, num_layers=1, block_size=block_size or 16)
+        ).bind(target)
     else:
-        raise DFlashError("no drafter given: pass --drafter DIR (a DFlash checkpoint folder). Get one with "
-                          "`dflash-trt train` (see README, 'Train a drafter'), or add --random-drafter to check the "
-                          "pipeline with an untrained drafter (output stays exact, speedup will be below 1)")
+        raise DFlashError(
+            "no drafter given: pass --drafter DIR (a DFlash checkpoint folder). Get one with "
+            "`dflash-trt train` (see README, 'Train a drafter'), or add --random-drafter to check the "
+            "pipeline with an untrained drafter (output stays exact, speedup will be below 1)"
+        )
     if block_size is not None:
         set_block_size(drafter, block_size)
     if getattr(target, "packed", False):  # a packed target runs inference only: so does its drafter
-        from dflash_trt.modeling.cpu_pack import pack_drafter
-
         pack_drafter(drafter)
     return drafter.eval()
 
@@ -170,6 +182,7 @@ def set_block_size(drafter, block_size: int) -> None:
 
 
 def load_tokenizer(target_dir: Path):
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     from transformers import AutoTokenizer
 
     try:
@@ -182,8 +195,9 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise DFlashError("--chat: this tokenizer has no chat template; drop --chat to send the raw prompt")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -219,14 +233,21 @@ class Comparison:
         return None if self.baseline_tokens is None else self.tokens == self.baseline_tokens
 
 
-def run_generate(target, drafter, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 baseline: bool = False, kernels: str = "auto", cuda_graph: str = "auto",
-                 draft_cutoff: float = 0.0) -> Comparison:
+def run_generate(
+    target,
+    drafter,
+    tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    baseline: bool = False,
+    kernels: str = "auto",
+    cuda_graph: str = "auto",
+    draft_cutoff: float = 0.0,
+) -> Comparison:
     """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
-    from dflash_trt.decoding.loop import generate, generate_baseline
-
-    out = generate(target, drafter, [prompt_ids], params, kernels=kernels, cuda_graph=cuda_graph,
-                   draft_cutoff=draft_cutoff)
+    out = generate(
+        target, drafter, [prompt_ids], params, kernels=kernels, cuda_graph=cuda_graph, draft_cutoff=draft_cutoff
+    )
     toks = out.tokens[0]
     cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())
     if baseline:

@@ -1,56 +1,22 @@
 """The `dflash-trt` command. Each subcommand is a thin shell over a library function.
 
-Errors the user can act on (DFlashError) print one line and exit 2, never a traceback.
+Errors the user can act on (DFlashError) print one line and exit 2, never a traceback
+(cli_shared.friendly_errors, with the option helpers every subcommand module shares).
 """
 
 from __future__ import annotations
 
-import functools
+import importlib
 import json
-import sys
 
 import click
 
-from dflash_trt.config import field_help
-from dflash_trt.errors import ConfigError, DFlashError
-from dflash_trt.quickstart import QuickstartConfig
-
-
-DEVICE_HELP = "auto (the CUDA GPU where PyTorch sees one, else the CPU) | cpu | cuda | cuda:N"
-DRAFT_CUTOFF_HELP = ("Verify only the leading drafts whose running product of drafter probabilities is at least "
-                     "this (0: every draft). Output is unchanged; on a CPU, where verify cost grows with its "
-                     "width, it skips drafts that would be rejected anyway.")
-
-
-def friendly_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except DFlashError as e:
-            click.secho(f"error: {e}", fg="red", err=True)
-            sys.exit(2)
-
-    return wrapper
-
-
-def parse_ints(value: str | None, flag: str) -> list[int]:
-    """A comma-separated integer option ("4,8,16") -> [4, 8, 16]; [] when not given."""
-    return _parse_list(value, flag, int, "integers, e.g. 4,8,16")
-
-
-def parse_floats(value: str | None, flag: str) -> list[float]:
-    """A comma-separated number option ("0,0.1") -> [0.0, 0.1]; [] when not given."""
-    return _parse_list(value, flag, float, "numbers, e.g. 0,0.1,0.3")
-
-
-def _parse_list(value, flag, kind, example):
-    if not value:
-        return []
-    try:
-        return [kind(v) for v in value.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r}: expected comma-separated {example}") from None
+from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
+from dflash_trt.cli_shared import DEVICE_HELP, DRAFT_CUTOFF_HELP, friendly_errors
+from dflash_trt.config import SamplingParams, field_help
+from dflash_trt.hub.drafters import bundled_drafters
+from dflash_trt.hub.models import fetch_model, list_models
+from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -71,8 +37,6 @@ def models():
 @friendly_errors
 def models_fetch(name, force):
     """Download NAME, verify its sha256 and save a Hugging Face folder into the cache."""
-    from dflash_trt.hub.models import fetch_model
-
     click.echo(str(fetch_model(name, force=force)))
 
 
@@ -80,23 +44,26 @@ def models_fetch(name, force):
 @friendly_errors
 def models_list():
     """Known model names and whether they are cached."""
-    from dflash_trt.hub.models import list_models
-
     for m in list_models():
         state = "cached  " if m.get("cached") else "not yet "
         click.echo(f"{m['name']:32s} {state} {m.get('path') or ''}")
-    from dflash_trt.hub.drafters import bundled_drafters
-
     for b in bundled_drafters().values():
         tau = b.recipe.get("measured", {}).get("tau")
-        click.echo(f"{b.name:32s} drafter  for {b.target}, block {b.block_size}"
-                   + (f", tau {tau:.2f} on its eval prompts" if tau else ""))
+        click.echo(
+            f"{b.name:32s} drafter  for {b.target}, block {b.block_size}"
+            + (f", tau {tau:.2f} on its eval prompts" if tau else "")
+        )
 
 
 # ---- generate ------------------------------------------------------------------------------
 @main.command()
 @click.option("--target", required=True, help="Target model: a known name (see `models list`) or a HF folder.")
-@click.option("--drafter", "drafter_dir", default=None, help="DFlash drafter checkpoint folder (z-lab layout) or a bundled drafter name (`dflash-trt models list`).")
+@click.option(
+    "--drafter",
+    "drafter_dir",
+    default=None,
+    help="DFlash drafter checkpoint folder (z-lab layout) or a bundled drafter name (`dflash-trt models list`).",
+)
 @click.option("--random-drafter", is_flag=True, help="Use an untrained drafter (pipeline check; no speedup).")
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the tokenizer's chat template.")
@@ -106,45 +73,101 @@ def models_list():
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--block-size", default=None, type=int, help="Draft block size (default: the drafter's).")
 @click.option("--seed", default=None, type=int)
-@click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
+@click.option(
+    "--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16"
+)
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
-@click.option("--kernels", type=click.Choice(["auto", "triton", "torch"]), default="auto", show_default=True,
-              help="Drafter KV injection / block attention and acceptance: Triton GPU kernels, plain PyTorch, "
-                   "or auto (Triton on CUDA when installed, else PyTorch).")
-@click.option("--cuda-graph", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="Replay the drafter step from a CUDA graph (needs the Triton kernels on a GPU; auto = when "
-                   "they run).")
-@click.option("--draft-cutoff", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True),
-              help=DRAFT_CUTOFF_HELP)
+@click.option(
+    "--kernels",
+    type=click.Choice(["auto", "triton", "torch"]),
+    default="auto",
+    show_default=True,
+    help="Drafter KV injection / block attention and acceptance: Triton GPU kernels, plain PyTorch, "
+    "or auto (Triton on CUDA when installed, else PyTorch).",
+)
+@click.option(
+    "--cuda-graph",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Replay the drafter step from a CUDA graph (needs the Triton kernels on a GPU; auto = when " "they run).",
+)
+@click.option(
+    "--draft-cutoff",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    help=DRAFT_CUTOFF_HELP,
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
-def generate(target, drafter_dir, random_drafter, prompt, chat, temperature, top_p, top_k, max_new_tokens,
-             block_size, seed, dtype, device, baseline, kernels, cuda_graph, draft_cutoff, as_json):
+def generate(
+    target,
+    drafter_dir,
+    random_drafter,
+    prompt,
+    chat,
+    temperature,
+    top_p,
+    top_k,
+    max_new_tokens,
+    block_size,
+    seed,
+    dtype,
+    device,
+    baseline,
+    kernels,
+    cuda_graph,
+    draft_cutoff,
+    as_json,
+):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
-    from dflash_trt.config import SamplingParams
-    from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
-
     if not drafter_dir and not random_drafter:
         load_drafter(None, None)  # raises the "how to get a drafter" message before any download
     tgt, path = load_target(target, dtype, progress=not as_json, device=device)
     drafter = load_drafter(tgt, drafter_dir, block_size, random_init=random_drafter)
     tok = load_tokenizer(path)
     ids = encode(tok, prompt, chat)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                            seed=seed, stop_token_ids=stop_ids(tok))
-    res = run_generate(tgt, drafter, tok, ids, params, baseline=baseline, kernels=kernels,
-                       cuda_graph=cuda_graph, draft_cutoff=draft_cutoff)
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop_token_ids=stop_ids(tok),
+    )
+    res = run_generate(
+        tgt,
+        drafter,
+        tok,
+        ids,
+        params,
+        baseline=baseline,
+        kernels=kernels,
+        cuda_graph=cuda_graph,
+        draft_cutoff=draft_cutoff,
+    )
     if as_json:
-        click.echo(json.dumps({"text": res.text, "tokens": res.tokens, "stats": res.stats,
-                               "baseline_stats": res.baseline_stats, "speedup": res.speedup,
-                               "identical_to_baseline": res.identical}))
+        click.echo(
+            json.dumps(
+                {
+                    "text": res.text,
+                    "tokens": res.tokens,
+                    "stats": res.stats,
+                    "baseline_stats": res.baseline_stats,
+                    "speedup": res.speedup,
+                    "identical_to_baseline": res.identical,
+                }
+            )
+        )
         return
     click.echo(res.text)
     print_stats(res, drafter.block_size, temperature)
 
 
 def print_stats(res, block_size: int, temperature: float) -> None:
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.console import Console
     from rich.table import Table
 
@@ -153,11 +176,16 @@ def print_stats(res, block_size: int, temperature: float) -> None:
     t.add_row("acceptance length tau", f"{s['tau']:.2f} tokens / verify step (block size {block_size})")
     t.add_row("tokens", f"{s['num_output_tokens']} in {s['num_verify_steps']} verify steps")
     if s["num_verify_steps"]:
-        t.add_row("drafts verified", f"{s['num_draft_tokens'] / s['num_verify_steps']:.1f} per step "
-                                     f"(of {block_size - 1}), {s['acceptance_rate']:.0%} of them accepted")
+        t.add_row(
+            "drafts verified",
+            f"{s['drafts_per_step']:.1f} per step "
+            f"(of {block_size - 1}), {s['acceptance_rate']:.0%} of them accepted",
+        )
     t.add_row("decode speed", f"{s['decode_tokens_per_s']:.1f} tok/s")
-    t.add_row("time split", f"prefill {s['prefill_time']:.2f}s, draft {s['draft_time']:.2f}s, "
-                            f"verify {s['verify_time']:.2f}s")
+    t.add_row(
+        "time split",
+        f"prefill {s['prefill_time']:.2f}s, draft {s['draft_time']:.2f}s, " f"verify {s['verify_time']:.2f}s",
+    )
     t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
     if res.baseline_stats:
         t.add_row("baseline decode speed", f"{res.baseline_stats['decode_tokens_per_s']:.1f} tok/s")
@@ -173,16 +201,14 @@ def print_stats(res, block_size: int, temperature: float) -> None:
 @click.option("--prompt", default=None, help="Prompt to answer (default: a small coding task).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--retrain", is_flag=True, help="Ignore the bundled drafter; train one here with the quickstart recipe.")
-@click.option("--block-size", "run_block_size", default=None, type=int,
-              help=field_help(QuickstartConfig)["run_block_size"])
+@click.option(
+    "--block-size", "run_block_size", default=None, type=int, help=field_help(QuickstartConfig)["run_block_size"]
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @friendly_errors
 def quickstart(target, prompt, max_new_tokens, retrain, run_block_size, as_json):
     """Fetch a real model, get (train once, then cache) a drafter, show DFlash's speedup."""
-    from dflash_trt.quickstart import print_quickstart, run_quickstart
-
-    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens, retrain=retrain,
-                           run_block_size=run_block_size)
+    cfg = QuickstartConfig(target=target, max_new_tokens=max_new_tokens, retrain=retrain, run_block_size=run_block_size)
     if prompt:
         cfg.prompt = prompt
     res = run_quickstart(cfg)
@@ -194,10 +220,13 @@ def quickstart(target, prompt, max_new_tokens, retrain, run_block_size, as_json)
 
 # Subcommands of later stages register themselves here when their modules exist.
 def _register_optional():
-    import importlib
-
-    for mod in ("dflash_trt.train.cli", "dflash_trt.deploy.cli", "dflash_trt.serving.cli", "dflash_trt.bench.cli",
-                "dflash_trt.kernels.cli"):
+    for mod in (
+        "dflash_trt.train.cli",
+        "dflash_trt.deploy.cli",
+        "dflash_trt.serving.cli",
+        "dflash_trt.bench.cli",
+        "dflash_trt.kernels.cli",
+    ):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -3,20 +3,26 @@
 Each config is a dataclass validated in __post_init__; errors name the field and the fix.
 DrafterConfig reads and writes config.json exactly in the layout of the published z-lab
 DFlash checkpoints (architectures ["DFlashDraftModel"], block_size, dflash_config
-{mask_token_id, target_layer_ids}, num_target_layers, Qwen3-style shape fields), and keeps
-fields it does not use so that a round trip loses nothing.
+{mask_token_id, target_layer_ids}, num_target_layers, Qwen3-style shape fields). Which fields
+are read, with which precedence and defaults, and which are refused: drafter_fields.py. Fields
+the reference ignores too are kept in `extra` so that a round trip loses nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dflash_trt import drafter_fields
+from dflash_trt.drafter_fields import ARCHITECTURE, FULL, LAYER_TYPES, SLIDING
 from dflash_trt.errors import CheckpointError, ConfigError
 
 
@@ -53,21 +59,11 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[
     L = num_target_layers
     if num_taps < 1:
         raise ConfigError(f"num_taps={num_taps}: must be >= 1")
-    if num_taps == 1:
-        return [min(1, L - 1)]
+    if num_taps == 1:  # the reference, SpecForge and SGLang tap the middle layer
+        return [L // 2]
     if L < 4:
         return sorted({min(L - 1, i * (L - 1) // (num_taps - 1)) for i in range(num_taps)})
     return [int(round(1 + i * (L - 4) / (num_taps - 1))) for i in range(num_taps)]
-
-
-# Fields we interpret; everything else in config.json is kept in `extra` and written back.
-_KNOWN = {
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "max_position_embeddings", "hidden_act", "attention_bias",
-    "block_size", "num_target_layers", "dflash_config", "architectures", "model_type",
-    "torch_dtype", "dtype", "rope_parameters", "tie_word_embeddings",
-}
 
 
 @dataclass
@@ -96,33 +92,116 @@ class DrafterConfig:
     # token ids (tensor `draft_vocab` in model.safetensors), as EAGLE-3's reduced draft vocab does.
     # None = the target's full vocabulary. Cuts the head's cost (most of a small drafter's FLOPs).
     draft_vocab_size: int | None = None
+    # z-lab fields the reference honours (drafter_fields.py reads them with its precedence):
+    input_embedding_scale: float = 1.0  # block input embeddings are multiplied by this
+    output_multiplier: float = 1.0  # draft logits are multiplied by this
+    final_logit_softcapping: float | None = None  # draft logits -> c * tanh(logits / c); None or 0 = off
+    is_causal: bool | None = None  # every layer causal (True) or not (False); None: sliding layers only
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None = all full
+    sliding_window: int | None = None  # window of sliding layers (None: no window, a sliding layer is causal)
+    architectures: list[str] | None = field(default_factory=lambda: [ARCHITECTURE])  # kept as read
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "num_target_layers",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.block_size < 2:
             raise ConfigError(f"block_size={self.block_size}: must be >= 2 (a block is the last token plus >= 1 draft)")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads={self.num_key_value_heads}")
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not self.target_layer_ids:
             raise ConfigError("dflash_config.target_layer_ids is empty: list the target layers to tap")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
-            raise ConfigError(f"dflash_config.target_layer_ids {bad} outside 0..{self.num_target_layers - 1} "
-                              f"(num_target_layers={self.num_target_layers})")
+            raise ConfigError(
+                f"dflash_config.target_layer_ids {bad} outside 0..{self.num_target_layers - 1} "
+                f"(num_target_layers={self.num_target_layers})"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(f"dflash_config.mask_token_id={self.mask_token_id}: must be a token id "
-                              f"in 0..{self.vocab_size - 1}")
+            raise ConfigError(
+                f"dflash_config.mask_token_id={self.mask_token_id}: must be a token id " f"in 0..{self.vocab_size - 1}"
+            )
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ConfigError(f"dflash_config.draft_vocab_size={self.draft_vocab_size}: must be in 1..{self.vocab_size} "
-                              f"(or absent for the full vocabulary)")
+            raise ConfigError(
+                f"dflash_config.draft_vocab_size={self.draft_vocab_size}: must be in 1..{self.vocab_size} "
+                f"(or absent for the full vocabulary)"
+            )
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act={self.hidden_act!r}: only 'silu' drafters are supported")
+        self._check_dflash_math()
+
+    def _check_dflash_math(self) -> None:
+        for name in ("input_embedding_scale", "output_multiplier"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"dflash_config.{name}={v!r}: must be a finite number (1.0 = off)")
+            setattr(self, name, float(v))
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+                raise ConfigError(f"dflash_config.final_logit_softcapping={cap!r}: must be > 0, or 0 / null for off")
+            self.final_logit_softcapping = float(cap) if cap > 0 else None  # 0 is off, as in the reference
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ConfigError(f"is_causal={self.is_causal!r}: must be true, false or absent")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(
+                    f"layer_types has {len(self.layer_types)} entries: need one per drafter layer "
+                    f"(num_hidden_layers={self.num_hidden_layers})"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ConfigError(f"layer_types {bad}: not supported (supported: {', '.join(LAYER_TYPES)})")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ConfigError(
+                f"sliding_window={w!r}: must be a positive number of tokens " f"(or use_sliding_window=false for none)"
+            )
+        if self.architectures is not None:
+            self.architectures = list(self.architectures)
+            if self.architectures != [ARCHITECTURE]:
+                raise ConfigError(f'architectures={self.architectures}: only ["{ARCHITECTURE}"] is supported')
+
+    def layer_attention(self, i: int) -> tuple[bool, int | None]:
+        """(causal, window) of drafter layer i, as the reference resolves them: a sliding layer is
+        causal unless is_causal says otherwise and has the window; a full layer has none."""
+        kind = self.layer_types[i] if self.layer_types else FULL
+        causal = kind == SLIDING if self.is_causal is None else self.is_causal
+        return causal, (self.sliding_window if kind == SLIDING else None)
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer attends to the whole context and block (the DFlash paper's layout)."""
+        return all(self.layer_attention(i) == (False, None) for i in range(self.num_hidden_layers))
+
+    def beyond_paper(self) -> list[str]:
+        """The z-lab fields set here that the DFlash paper's drafter lacks (for backends that
+        implement only that drafter: they refuse the checkpoint naming these)."""
+        out = [
+            f"dflash_config.{name}"
+            for name, plain in (
+                ("input_embedding_scale", 1.0),
+                ("output_multiplier", 1.0),
+                ("final_logit_softcapping", None),
+            )
+            if getattr(self, name) != plain
+        ]
+        return out + ([] if self.plain_attention else ["is_causal / layer_types / sliding_window"])
 
     @property
     def num_taps(self) -> int:
@@ -130,9 +209,15 @@ class DrafterConfig:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def for_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
-                   target_layer_ids: list[int] | None = None, num_taps: int = 5,
-                   mask_token_id: int | None = None) -> "DrafterConfig":
+    def for_target(
+        cls,
+        target_config,
+        num_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        num_taps: int = 5,
+        mask_token_id: int | None = None,
+    ) -> DrafterConfig:
         """Config of a new drafter for a Hugging Face target config (Qwen2/Qwen3/Llama)."""
         tc = target_config
         L = tc.num_hidden_layers
@@ -141,93 +226,44 @@ class DrafterConfig:
             mask_token_id = pick_mask_token_id(tc)
         rope_theta, rope_scaling = _rope_of(tc)
         return cls(
-            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
-            num_key_value_heads=tc.num_key_value_heads, head_dim=head_dim, vocab_size=tc.vocab_size,
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=tc.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=tc.vocab_size,
             num_target_layers=L,
-            target_layer_ids=target_layer_ids if target_layer_ids is not None else default_target_layer_ids(L, min(num_taps, L)),
-            mask_token_id=mask_token_id, block_size=block_size, rms_norm_eps=tc.rms_norm_eps,
-            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            target_layer_ids=(
+                target_layer_ids if target_layer_ids is not None else default_target_layer_ids(L, min(num_taps, L))
+            ),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=tc.max_position_embeddings,
         )
 
-    # ---- z-lab config.json --------------------------------------------------------------
-    def to_json_dict(self) -> dict:
-        d = dict(self.extra)
-        d.update({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": self.hidden_act,
-            "attention_bias": self.attention_bias,
-            "tie_word_embeddings": False,
-            "torch_dtype": self.dtype,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {**d.get("dflash_config", {}), "mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
-        })
-        if self.draft_vocab_size is not None:
-            d["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
-        return d
+    # ---- z-lab config.json (fields, precedence and refusals: drafter_fields.py) ------------
+    def to_json_dict(self, portable: bool = False) -> dict:
+        """config.json content. portable=True: without dflash-trt's draft-vocabulary extension."""
+        return drafter_fields.write(self, portable)
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> "DrafterConfig":
-        dc = d.get("dflash_config") or {}
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "vocab_size") if k not in d]
-        if "mask_token_id" not in dc:
-            missing.append("dflash_config.mask_token_id")
-        if missing:
-            raise CheckpointError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter checkpoint?")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-        rope_scaling = d.get("rope_scaling")
-        rp = d.get("rope_parameters") or {}
-        if rope_scaling is None and rp.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        n_layers = d["num_hidden_layers"]
-        num_target_layers = d.get("num_target_layers")
-        if num_target_layers is None:
-            raise CheckpointError("drafter config.json lacks num_target_layers (layers of the target model)")
-        ids = dc.get("target_layer_ids") or default_target_layer_ids(num_target_layers, n_layers)
-        kv = d.get("num_key_value_heads", d["num_attention_heads"])
-        return cls(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers,
-            num_attention_heads=d["num_attention_heads"], num_key_value_heads=kv,
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            vocab_size=d["vocab_size"], num_target_layers=num_target_layers, target_layer_ids=ids,
-            mask_token_id=dc["mask_token_id"], block_size=d.get("block_size", dc.get("block_size", 16)),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta), rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 32768), hidden_act=d.get("hidden_act", "silu"),
-            attention_bias=d.get("attention_bias", False),
-            dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
-            draft_vocab_size=dc.get("draft_vocab_size"),
-            extra={**{k: v for k, v in d.items() if k not in _KNOWN},
-                   **({"dflash_config": dc_rest} if (dc_rest := {k: v for k, v in dc.items()
-                                                                if k not in ("mask_token_id", "target_layer_ids",
-                                                                             "draft_vocab_size")}) else {})},
-        )
+    def from_json_dict(cls, d: dict) -> DrafterConfig:
+        return cls(**drafter_fields.read(d))
 
-    def save(self, folder: str | Path) -> None:
-        Path(folder, "config.json").write_text(json.dumps(self.to_json_dict(), indent=2, sort_keys=True) + "\n")
+    def save(self, folder: str | Path, portable: bool = False) -> None:
+        Path(folder, "config.json").write_text(json.dumps(self.to_json_dict(portable), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, folder: str | Path) -> "DrafterConfig":
+    def load(cls, folder: str | Path) -> DrafterConfig:
         path = Path(folder, "config.json")
         if not path.is_file():
-            raise CheckpointError(f"{path}: not found; a drafter checkpoint is a folder with config.json and model.safetensors")
+            raise CheckpointError(
+                f"{path}: not found; a drafter checkpoint is a folder with config.json and model.safetensors"
+            )
         try:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -273,14 +309,12 @@ def load_yaml_dataclass(cls, path: str | Path, overrides: dict | None = None):
 def field_help(cls) -> dict[str, str]:
     """Help text of each dataclass field: the `# comment` on its line in the class body, so that the
     YAML schema, the CLI --help and the code document a field in one place."""
-    import inspect
-    import re
-
     out: dict[str, str] = {}
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):
         return out
-    for m in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", src, re.M):
+    # black wraps a long `name: T = default  # help` as `name: T = (\n    default  # help\n)`
+    for m in re.finditer(r"^\s+(\w+)\s*:[^#\n]*(?:\(\n[^#\n]*)?#\s*(.+)$", src, re.M):
         out.setdefault(m.group(1), m.group(2).strip())
     return out

@@ -46,7 +46,7 @@ class CpuWatch:
         self.cpus = cpus or os.cpu_count() or 1
         self.others_share: float | None = None
 
-    def __enter__(self) -> "CpuWatch":
+    def __enter__(self) -> CpuWatch:
         self._start = _snapshot()
         return self
 
@@ -63,6 +63,8 @@ def contention_warning(share: float | None) -> str | None:
     """One line for the user when a timing ran on a busy machine, else None."""
     if share is None or share <= WARN_SHARE:
         return None
-    return (f"warning: other processes used {share:.0%} of this machine's CPU time while timing; the speedup "
-            f"above is not reliable (a verify pass loses more to contention than a decode step). "
-            f"Run again on an idle machine.")
+    return (
+        f"warning: other processes used {share:.0%} of this machine's CPU time while timing; the speedup "
+        f"above is not reliable (a verify pass loses more to contention than a decode step). "
+        f"Run again on an idle machine."
+    )

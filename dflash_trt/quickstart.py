@@ -16,8 +16,16 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.api import dtype_name, encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
 from dflash_trt.config import SamplingParams
+from dflash_trt.contention import CpuWatch, contention_warning
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import ConfigError
+from dflash_trt.hub.drafters import bundled_drafter_for
+from dflash_trt.hub.models import models_home
+from dflash_trt.train.data import generate_data, stdlib_prompts
+from dflash_trt.train.trainer import TrainConfig, train
 
 
 @dataclass
@@ -27,7 +35,7 @@ class QuickstartConfig:
     num_prompts: int = 64  # training prompts (standard-library docstrings)
     response_tokens: int = 96  # tokens the target writes per training prompt
     block_size: int = 8  # the drafter's trained block size (which bundled drafter; the recipe's)
-    run_block_size: int | None = None  # block run at generation, at most block_size; default 4 on a CPU (a smaller verify pays there), else block_size
+    run_block_size: int | None = None  # block run at generation (<= block_size); default 4 on a CPU, else block_size
     num_layers: int = 1
     epochs: int = 2
     max_new_tokens: int = 128
@@ -36,13 +44,13 @@ class QuickstartConfig:
 
     def __post_init__(self):
         if self.run_block_size is not None and self.run_block_size < 2:
-            raise ConfigError(f"run_block_size={self.run_block_size}: a block holds the last verified token and at "
-                              f"least one draft, so use 2 or more (4 is the CPU default)")
+            raise ConfigError(
+                f"run_block_size={self.run_block_size}: a block holds the last verified token and at "
+                f"least one draft, so use 2 or more (4 is the CPU default)"
+            )
 
 
 def quickstart_drafter_dir(cfg: QuickstartConfig) -> Path:
-    from dflash_trt.hub.models import models_home
-
     name = Path(cfg.target).name
     return models_home() / "drafters" / f"{name}-b{cfg.block_size}-l{cfg.num_layers}-quickstart"
 
@@ -51,32 +59,46 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]
     """-> (drafter folder, where it came from): the drafter bundled for this target, else the one
     trained by an earlier quickstart, else one trained now (resumable at every stage).
     cfg.retrain skips the bundled one, to reproduce the recipe from scratch on this machine."""
-    from dflash_trt.hub.drafters import bundled_drafter_for
-    from dflash_trt.train.data import generate_data, stdlib_prompts
-    from dflash_trt.train.trainer import TrainConfig, train
-
     bundled = None if cfg.retrain else bundled_drafter_for(cfg.target, cfg.block_size)
     if bundled is not None:
-        return bundled.path, f"bundled drafter {bundled.name} (trained here by dflash-trt train; recipe in {bundled.path / 'recipe.json'})"
+        return (
+            bundled.path,
+            f"bundled drafter {bundled.name} (trained here by dflash-trt train; "
+            f"recipe in {bundled.path / 'recipe.json'})",
+        )
     work = quickstart_drafter_dir(cfg)
     final = work / "drafter"
     if (final / "model.safetensors").is_file():
         return final, f"drafter trained by an earlier quickstart ({final})"
-    click.secho(f"No bundled drafter for {cfg.target}: training one (a few minutes on 2 CPU cores; a drafter this small "
-                f"and this briefly trained accepts little, see README; cached in {work}).", fg="yellow", err=True)
-    generate_data(target, tokenizer, stdlib_prompts(cfg.num_prompts), work / "data",
-                  max_new_tokens=cfg.response_tokens, batch_size=16)
-    tc = TrainConfig(data=str(work / "data"), out=str(work), num_layers=cfg.num_layers, block_size=cfg.block_size,
-                     epochs=cfg.epochs, batch_size=4, anchors_per_seq=8, lr=1e-3, features="offline")
+    click.secho(
+        f"No bundled drafter for {cfg.target}: training one (a few minutes on 2 CPU cores; a drafter this small "
+        f"and this briefly trained accepts little, see README; cached in {work}).",
+        fg="yellow",
+        err=True,
+    )
+    generate_data(
+        target,
+        tokenizer,
+        stdlib_prompts(cfg.num_prompts),
+        work / "data",
+        max_new_tokens=cfg.response_tokens,
+        batch_size=16,
+    )
+    tc = TrainConfig(
+        data=str(work / "data"),
+        out=str(work),
+        num_layers=cfg.num_layers,
+        block_size=cfg.block_size,
+        epochs=cfg.epochs,
+        batch_size=4,
+        anchors_per_seq=8,
+        lr=1e-3,
+        features="offline",
+    )
     return train(tc, target=target), f"drafter trained just now ({final})"
 
 
 def run_quickstart(cfg: QuickstartConfig) -> dict:
-    from dflash_trt.contention import CpuWatch
-    from dflash_trt.api import (dtype_name, encode, load_drafter, load_target, load_tokenizer, set_block_size,
-                                     stop_ids)
-    from dflash_trt.decoding.loop import GenerationStats, generate, generate_baseline
-
     target, path = load_target(cfg.target, "auto")
     tok = load_tokenizer(path)
     drafter_dir, source = obtain_drafter(cfg, target, tok)
@@ -88,23 +110,30 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
     ids = encode(tok, cfg.prompt, chat=True)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids(tok))
     generate(target, drafter, [ids], SamplingParams(max_new_tokens=4))  # warm-up
-    spec, base = GenerationStats(), GenerationStats()
+    spec, base = DecodeStats(), DecodeStats()
     with CpuWatch() as watch:
         for _ in range(cfg.repeats):  # interleaved A B A B: both see the same machine state
             a = generate(target, drafter, [ids], params)
             b = generate_baseline(target, [ids], params)
             spec.merge(a.stats)
             base.merge(b.stats)
-    return {"answer": tok.decode(a.tokens[0], skip_special_tokens=True), "identical": a.tokens == b.tokens,
-            "tau": spec.tau, "block_size": drafter.block_size, "dflash_tok_s": spec.decode_tokens_per_s,
-            "baseline_tok_s": base.decode_tokens_per_s, "dtype": dtype_name(target.dtype),
-            "speedup": spec.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0,
-            "per_position_acceptance": spec.per_position_acceptance, "drafter": source,
-            "other_cpu_share": watch.others_share}
+    return {
+        "answer": tok.decode(a.tokens[0], skip_special_tokens=True),
+        "identical": a.tokens == b.tokens,
+        "tau": spec.tau,
+        "block_size": drafter.block_size,
+        "dflash_tok_s": spec.decode_tokens_per_s,
+        "baseline_tok_s": base.decode_tokens_per_s,
+        "dtype": dtype_name(target.dtype),
+        "speedup": spec.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0,
+        "per_position_acceptance": spec.per_position_acceptance,
+        "drafter": source,
+        "other_cpu_share": watch.others_share,
+    }
 
 
 def print_quickstart(res: dict, cfg: QuickstartConfig) -> None:
-    from dflash_trt.contention import contention_warning
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.console import Console
     from rich.table import Table
 
@@ -116,8 +145,13 @@ def print_quickstart(res: dict, cfg: QuickstartConfig) -> None:
     t = Table(title=f"DFlash vs autoregressive decoding (same engine, {res['dtype']}, greedy)")
     for col in ("acceptance length tau", "DFlash tok/s", "baseline tok/s", "speedup", "identical output"):
         t.add_column(col, justify="right")
-    t.add_row(f"{res['tau']:.2f} / {res['block_size']}", f"{res['dflash_tok_s']:.1f}", f"{res['baseline_tok_s']:.1f}",
-              f"{res['speedup']:.2f}x", "yes" if res["identical"] else "NO")
+    t.add_row(
+        f"{res['tau']:.2f} / {res['block_size']}",
+        f"{res['dflash_tok_s']:.1f}",
+        f"{res['baseline_tok_s']:.1f}",
+        f"{res['speedup']:.2f}x",
+        "yes" if res["identical"] else "NO",
+    )
     con.print(t)
     if warn := contention_warning(res.get("other_cpu_share")):
         con.print(warn, style="bold yellow", markup=False, highlight=False)

@@ -19,11 +19,12 @@ import platform
 
 import torch
 
+from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.modeling.cpu_pack import pack_target, pack_unavailable_reason
-from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
-from dflash_trt.decoding.loop import GenerationStats, generate, generate_baseline
 from dflash_trt.train.data import load_prompts
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop_token_ids=stop_ids(tok))
     prompts = [encode(tok, p, not a.no_chat) for p in load_prompts(a.dataset, a.n)]
     runs = [(k, "baseline", None) for k in targets] + [(k, "dflash", b) for k in targets for b in sizes]
-    stats = {r: GenerationStats() for r in runs}
+    stats = {r: DecodeStats() for r in runs}
     short = dataclasses.replace(params, max_new_tokens=8)
     for k, m, b in runs:  # warm-up, discarded
         _run(targets[k], drafters[k], m, b, prompts[0][:48], short)
@@ -65,27 +66,52 @@ def main() -> None:
                 mismatches += out.tokens != ref
                 stats[r].merge(out.stats)
     base = stats[("dense", "baseline", None)].decode_tokens_per_s
-    rows = [{"weights": k, "method": m, "block_size": b, "tokens_per_s": st.decode_tokens_per_s,
-             "speedup_vs_dense_baseline": st.decode_tokens_per_s / base if base else None,
-             "tau": st.tau if m == "dflash" else 1.0,
-             "verify_ms_per_step": 1e3 * st.verify_time / max(st.num_verify_steps, 1),
-             "draft_ms_per_step": 1e3 * st.draft_time / max(st.num_verify_steps, 1)}
-            for (k, m, b), st in stats.items()]
-    print(f"{a.target}, {len(prompts)} {a.dataset} prompts x {a.max_new_tokens} tokens, fp32, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    rows = [
+        {
+            "weights": k,
+            "method": m,
+            "block_size": b,
+            "tokens_per_s": st.decode_tokens_per_s,
+            "speedup_vs_dense_baseline": st.decode_tokens_per_s / base if base else None,
+            "tau": st.tau,  # 1.0 for the baseline (decoding/stats.py)
+            "verify_ms_per_step": 1e3 * st.verify_time / max(st.num_verify_steps, 1),
+            "draft_ms_per_step": 1e3 * st.draft_time / max(st.num_verify_steps, 1),
+        }
+        for (k, m, b), st in stats.items()
+    ]
+    print(
+        f"{a.target}, {len(prompts)} {a.dataset} prompts x {a.max_new_tokens} tokens, fp32, "
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    )
     print("| weights | method | tok/s | vs dense baseline | tau | draft / verify ms per step |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         name = r["method"] + (f" B={r['block_size']}" if r["block_size"] else "")
-        print(f"| {r['weights']} | {name} | {r['tokens_per_s']:.2f} | {r['speedup_vs_dense_baseline']:.2f}x | "
-              f"{r['tau']:.2f} | {r['draft_ms_per_step']:.0f} / {r['verify_ms_per_step']:.0f} |")
-    print(f"outputs differing from the first run of their prompt: {mismatches}; "
-          f"other processes' CPU share {watch.others_share:.1%}")
+        print(
+            f"| {r['weights']} | {name} | {r['tokens_per_s']:.2f} | {r['speedup_vs_dense_baseline']:.2f}x | "
+            f"{r['tau']:.2f} | {r['draft_ms_per_step']:.0f} / {r['verify_ms_per_step']:.0f} |"
+        )
+    print(
+        f"outputs differing from the first run of their prompt: {mismatches}; "
+        f"other processes' CPU share {watch.others_share:.1%}"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"target": a.target, "drafter": a.drafter, "dataset": a.dataset, "prompts": len(prompts),
-                       "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(), "rows": rows,
-                       "mismatches": mismatches, "other_cpu_share": watch.others_share}, f, indent=1)
+            json.dump(
+                {
+                    "target": a.target,
+                    "drafter": a.drafter,
+                    "dataset": a.dataset,
+                    "prompts": len(prompts),
+                    "max_new_tokens": a.max_new_tokens,
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                    "mismatches": mismatches,
+                    "other_cpu_share": watch.others_share,
+                },
+                f,
+                indent=1,
+            )
 
 
 def _run(target, drafter, method, block, ids, params):

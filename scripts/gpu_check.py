@@ -51,8 +51,9 @@ REAL_CASES = dict(
     rejection=[1, 32],
     step=[(1, 4096), (16, 4096)],  # whole drafter step (rows, context)
 )
-TINY_CASES = dict(inject=[(1, 4, 24), (3, 5, 24)], attention=[(1, 0), (3, 20)], greedy=[1, 3], rejection=[1, 3],
-                  step=[(2, 12)])
+TINY_CASES = dict(
+    inject=[(1, 4, 24), (3, 5, 24)], attention=[(1, 0), (3, 20)], greedy=[1, 3], rejection=[1, 3], step=[(2, 12)]
+)
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -75,19 +76,42 @@ class Report:
 
     def add(self, kernel, shape, t_triton, t_torch, nbytes, err, ok, err_label="max err"):
         bound_us = nbytes / self.peak * 1e6
-        self.rows.append(dict(kernel=kernel, shape=shape, triton_us=t_triton, torch_us=t_torch,
-                              speedup=t_torch / t_triton, bytes=nbytes, bound_us=bound_us,
-                              pct_of_bound=100 * bound_us / t_triton, max_err=err, err_label=err_label, ok=ok))
+        self.rows.append(
+            dict(
+                kernel=kernel,
+                shape=shape,
+                triton_us=t_triton,
+                torch_us=t_torch,
+                speedup=t_torch / t_triton,
+                bytes=nbytes,
+                bound_us=bound_us,
+                pct_of_bound=100 * bound_us / t_triton,
+                max_err=err,
+                err_label=err_label,
+                ok=ok,
+            )
+        )
         r = self.rows[-1]
-        print(f"  {kernel:24s} {shape:34s} {t_triton:10.1f} {t_torch:10.1f} {r['speedup']:7.2f}x "
-              f"{r['pct_of_bound']:6.1f}%  {'ok' if ok else 'MISMATCH'} ({err:.2g})", flush=True)
+        print(
+            f"  {kernel:24s} {shape:34s} {t_triton:10.1f} {t_torch:10.1f} {r['speedup']:7.2f}x "
+            f"{r['pct_of_bound']:6.1f}%  {'ok' if ok else 'MISMATCH'} ({err:.2g})",
+            flush=True,
+        )
 
     def table(self) -> str:
         head = ["kernel", "shape", "triton us", "torch us", "speedup", "% of BW bound", "check vs reference"]
-        lines = [[r["kernel"], r["shape"], f"{r['triton_us']:.1f}", f"{r['torch_us']:.1f}", f"{r['speedup']:.2f}x",
-                  f"{r['pct_of_bound']:.1f}%",
-                  f"{'ok' if r['ok'] else 'MISMATCH'} ({r['err_label']} {r['max_err']:.2g})"]
-                 for r in self.rows]
+        lines = [
+            [
+                r["kernel"],
+                r["shape"],
+                f"{r['triton_us']:.1f}",
+                f"{r['torch_us']:.1f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['pct_of_bound']:.1f}%",
+                f"{'ok' if r['ok'] else 'MISMATCH'} ({r['err_label']} {r['max_err']:.2g})",
+            ]
+            for r in self.rows
+        ]
         w = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
         fmt = lambda row: "| " + " | ".join(str(x).ljust(n) for x, n in zip(row, w)) + " |"  # noqa: E731
         return "\n".join([fmt(head), "|" + "|".join("-" * (n + 2) for n in w) + "|", *map(fmt, lines)])
@@ -140,13 +164,13 @@ def tol(dtype) -> float:
 
 
 def run_inject(rep, cfg, cases, dev, g):
-    from dflash_trt.modeling.cache import KVCache
     from dflash_trt.kernels import kv_inject
     from dflash_trt.kernels.reference import kv_inject_ref, rope_inv_freq
+    from dflash_trt.modeling.cache import KVCache
 
     d, HKV, D, L, dt = cfg["d"], cfg["HKV"], cfg["D"], cfg["L"], cfg["dtype"]
-    wk = (torch.randn(L, HKV * D, d, generator=g, device=dev) * d ** -0.5).to(dt)
-    wv = (torch.randn(L, HKV * D, d, generator=g, device=dev) * d ** -0.5).to(dt)
+    wk = (torch.randn(L, HKV * D, d, generator=g, device=dev) * d**-0.5).to(dt)
+    wv = (torch.randn(L, HKV * D, d, generator=g, device=dev) * d**-0.5).to(dt)
     knw = (torch.rand(L, D, generator=g, device=dev) + 0.5).to(dt)
     inv_freq = rope_inv_freq(D, 1e6).to(dev)
     for R, n, S in cases:
@@ -163,15 +187,22 @@ def run_inject(rep, cfg, cases, dev, g):
         kv_inject_ref(h, pos, n_new, wk, wv, knw, inv_freq, kr, vr)
         err = max(max_err(kc, kr), max_err(vc, vr))
         moved = nbytes(h, wk, wv, knw, pos) + 2 * L * R * n * HKV * D * kc.element_size()
-        rep.add("kv_inject", f"R={R} new={n} L={L} d={d} Hkv={HKV} D={D}", t_tri, t_torch, moved, err,
-                err <= tol(dt) * max(1.0, kr.float().abs().max().item()))
+        rep.add(
+            "kv_inject",
+            f"R={R} new={n} L={L} d={d} Hkv={HKV} D={D}",
+            t_tri,
+            t_torch,
+            moved,
+            err,
+            err <= tol(dt) * max(1.0, kr.float().abs().max().item()),
+        )
         del kc, vc, kr, vr, cache
 
 
 def run_attention(rep, cfg, cases, dev, g):
-    from dflash_trt.modeling.cache import KVCache
     from dflash_trt.kernels import block_draft_attention
     from dflash_trt.kernels.reference import block_draft_attention_ref
+    from dflash_trt.modeling.cache import KVCache
 
     H, HKV, D, B, dt = cfg["H"], cfg["HKV"], cfg["D"], cfg["B"], cfg["dtype"]
     for R, ctx in cases:
@@ -190,28 +221,43 @@ def run_attention(rep, cfg, cases, dev, g):
         t_tri = bench(lambda: block_draft_attention(q, kb, vb, cache.k[0], cache.v[0], ctx_len), dev)
         t_torch = bench(lambda: torch_attention(q, kb, vb, cache, pos), dev)
         moved = 2 * nbytes(q) + nbytes(kb, vb) + 2 * R * HKV * ctx * D * q.element_size()
-        rep.add("block_draft_attention", f"R={R} ctx={ctx} B={B} H={H} Hkv={HKV} D={D}", t_tri, t_torch, moved,
-                err, err <= tol(dt))
+        rep.add(
+            "block_draft_attention",
+            f"R={R} ctx={ctx} B={B} H={H} Hkv={HKV} D={D}",
+            t_tri,
+            t_torch,
+            moved,
+            err,
+            err <= tol(dt),
+        )
         del cache, out, ref
 
 
 def run_accept(rep, cfg, greedy_rows, rejection_rows, dev, g):
-    from dflash_trt.kernels import greedy_accept, rejection_accept
     from dflash_trt.decoding import verify
+    from dflash_trt.kernels import greedy_accept, rejection_accept
 
     B, V = cfg["B"], cfg["V"]
     for R in greedy_rows:
         logits = torch.randn(R, B, V, generator=g, device=dev)  # the target's logits are float32
         am = logits.argmax(-1)
         draft = torch.cat([am[:, :1], am[:, :-1]], 1)  # all drafts match ...
-        draft[R // 2:, B // 2] = (draft[R // 2:, B // 2] + 1) % V  # ... except half the rows, mid-block
+        draft[R // 2 :, B // 2] = (draft[R // 2 :, B // 2] + 1) % V  # ... except half the rows, mid-block
         got = greedy_accept(draft, logits)
         ref = verify.greedy_accept(draft, logits.argmax(-1))
         ok = torch.equal(got.accepted, ref.accepted) and torch.equal(got.bonus, ref.bonus)
         t_tri = bench(lambda: greedy_accept(draft, logits), dev)
         t_torch = bench(lambda: verify.greedy_accept(draft, logits.argmax(-1)), dev)
-        rep.add("greedy_accept (logits)", f"R={R} B={B} V={V} fp32", t_tri, t_torch, nbytes(logits, draft),
-                0.0 if ok else 1.0, ok, "exact; err")
+        rep.add(
+            "greedy_accept (logits)",
+            f"R={R} B={B} V={V} fp32",
+            t_tri,
+            t_torch,
+            nbytes(logits, draft),
+            0.0 if ok else 1.0,
+            ok,
+            "exact; err",
+        )
     for R in rejection_rows:
         p = torch.softmax(torch.randn(R, B, V, generator=g, device=dev) * 3, -1)
         q = torch.softmax(torch.randn(R, B - 1, V, generator=g, device=dev) * 3, -1)
@@ -225,8 +271,16 @@ def run_accept(rep, cfg, greedy_rows, rejection_rows, dev, g):
         t_tri = bench(lambda: rejection_accept(*args), dev)
         t_torch = bench(lambda: verify.rejection_accept(*args), dev)
         moved = nbytes(draft, ua, us) + 2 * R * V * p.element_size()  # p and q rows at the accepted slot
-        rep.add("rejection_accept", f"R={R} B={B} V={V} fp32", t_tri, t_torch, moved, n_diff, ok,
-                "rows with another valid bonus:")
+        rep.add(
+            "rejection_accept",
+            f"R={R} B={B} V={V} fp32",
+            t_tri,
+            t_torch,
+            moved,
+            n_diff,
+            ok,
+            "rows with another valid bonus:",
+        )
 
 
 def valid_bonus(p, q, accepted, u, bonus, rel=1e-4) -> bool:
@@ -266,10 +320,19 @@ def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
     from dflash_trt.modeling.drafter import DFlashDrafter
 
     d, B, dt = cfg["d"], cfg["B"], cfg["dtype"]
-    dc = DrafterConfig(hidden_size=d, intermediate_size=3 * d, num_hidden_layers=cfg["L"],
-                       num_attention_heads=cfg["H"], num_key_value_heads=cfg["HKV"], head_dim=cfg["D"],
-                       vocab_size=cfg["V"], num_target_layers=36, target_layer_ids=[1, 9, 17, 25, 33],
-                       mask_token_id=0, block_size=B)
+    dc = DrafterConfig(
+        hidden_size=d,
+        intermediate_size=3 * d,
+        num_hidden_layers=cfg["L"],
+        num_attention_heads=cfg["H"],
+        num_key_value_heads=cfg["HKV"],
+        head_dim=cfg["D"],
+        vocab_size=cfg["V"],
+        num_target_layers=36,
+        target_layer_ids=[1, 9, 17, 25, 33],
+        mask_token_id=0,
+        block_size=B,
+    )
     with torch.device(dev):
         drafter = DFlashDrafter(dc)
     drafter.bind(_StubTarget(dc, dev, dt)).eval()
@@ -289,8 +352,11 @@ def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
                     print(f"  profile failed: {type(e).__name__}: {e}")
         err = max_err(out["triton"], out["torch"])
         weights = sum(nbytes(p) for p in drafter.parameters())
-        moved = weights + nbytes(taps) + 2 * dc.num_hidden_layers * R * dc.num_key_value_heads * (ctx + B) * \
-            dc.head_dim * taps.element_size()
+        moved = (
+            weights
+            + nbytes(taps)
+            + 2 * dc.num_hidden_layers * R * dc.num_key_value_heads * (ctx + B) * dc.head_dim * taps.element_size()
+        )
         scale = out["torch"].float().abs().max().item()  # bf16: the paths round differently; flag layout-size errors
         tol_ok = (1e-3 if dt == torch.float32 else 0.1) * scale
         shape = f"R={R} ctx={ctx} inject {B} + block {B}, L={dc.num_hidden_layers}"
@@ -309,10 +375,20 @@ def run_drafter_step(rep, cfg, cases, dev, g, profile=False):
                 gerr = max(gerr, max_err(gout, out[mode]))
                 gtimes[mode] = bench(graph.replay, dev)
                 del graph, gout
-            print(f"  CUDA graph: triton {times['triton']:.0f} -> {gtimes['triton']:.0f} us, "
-                  f"torch {times['torch']:.0f} -> {gtimes['torch']:.0f} us (eager -> replay)")
-            rep.add("drafter step, CUDA graph", shape, gtimes["triton"], gtimes["torch"], moved, gerr,
-                    gerr <= tol_ok, err_label="max err vs eager")
+            print(
+                f"  CUDA graph: triton {times['triton']:.0f} -> {gtimes['triton']:.0f} us, "
+                f"torch {times['torch']:.0f} -> {gtimes['torch']:.0f} us (eager -> replay)"
+            )
+            rep.add(
+                "drafter step, CUDA graph",
+                shape,
+                gtimes["triton"],
+                gtimes["torch"],
+                moved,
+                gerr,
+                gerr <= tol_ok,
+                err_label="max err vs eager",
+            )
         drafter.use_kernels("torch")
         del step, context
 
@@ -365,10 +441,14 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--json", default=None, help="write results here (default: $OUT/gpu_check.json if $OUT)")
     ap.add_argument("--peak-tbs", type=float, default=None, help="peak memory bandwidth in TB/s (default by GPU)")
-    ap.add_argument("--only", default="inject,attention,greedy,rejection,step,engine,loop",
-                    help="comma-separated sections")
-    ap.add_argument("--profile", action="store_true",
-                    help="also print torch.profiler's top ops for each drafter step case (both paths)")
+    ap.add_argument(
+        "--only", default="inject,attention,greedy,rejection,step,engine,loop", help="comma-separated sections"
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's top ops for each drafter step case (both paths)",
+    )
     args = ap.parse_args()
     sections = set(args.only.split(","))
 
@@ -381,11 +461,13 @@ def main() -> int:
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     name = "cpu (Triton interpreter, DRY RUN)" if args.dry_run else torch.cuda.get_device_name(0)
-    peak = args.peak_tbs or next((v for k, v in sorted(PEAK_TBS.items(), key=lambda kv: -len(kv[0])) if k in name),
-                                 4.8)
+    peak = args.peak_tbs or next((v for k, v in sorted(PEAK_TBS.items(), key=lambda kv: -len(kv[0])) if k in name), 4.8)
     cfg, cases = (TINY, TINY_CASES) if args.dry_run else (REAL, REAL_CASES)
-    print(f"device: {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); triton {triton.__version__}; "
-          f"bandwidth bound at {peak} TB/s", flush=True)
+    print(
+        f"device: {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); triton {triton.__version__}; "
+        f"bandwidth bound at {peak} TB/s",
+        flush=True,
+    )
     if args.dry_run:
         print("DRY RUN: CPU interpreter on tiny shapes; these times are NOT GPU numbers", flush=True)
     rep = Report(dev, peak)
@@ -397,33 +479,58 @@ def main() -> int:
         if "attention" in sections:
             run_attention(rep, cfg, cases["attention"], dev, g)
         if sections & {"greedy", "rejection"}:
-            run_accept(rep, cfg, cases["greedy"] if "greedy" in sections else [],
-                       cases["rejection"] if "rejection" in sections else [], dev, g)
+            run_accept(
+                rep,
+                cfg,
+                cases["greedy"] if "greedy" in sections else [],
+                cases["rejection"] if "rejection" in sections else [],
+                dev,
+                g,
+            )
         if "step" in sections:
             run_drafter_step(rep, cfg, cases["step"], dev, g, profile=args.profile)
         from gpu_engine_check import engine_parity, loop_timing  # scripts/, beside this file
 
         engine = engine_parity(dev) if "engine" in sections else {"skipped": "not selected"}
         loop = loop_timing(dev) if "loop" in sections and dev.type == "cuda" else []
-    title = (f"DFlash kernels on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
-             f"triton {triton.__version__}; BW bound at {peak} TB/s")
+    title = (
+        f"DFlash kernels on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+        f"triton {triton.__version__}; BW bound at {peak} TB/s"
+    )
     print(f"\n{title}\n{rep.table()}")
     print(f"engine parity (generate kernels=triton vs torch vs baseline, greedy): {engine}")
     if loop:
         print("\ngenerate() per verify step, random Qwen3-0.6B-shaped target (bf16), 5-layer B=16 drafter:")
-        print("| rows | prompt | torch ms | triton ms | triton + CUDA graph ms | target alone ms/token "
-              "| HF generate() ms/token | paths agree |")
-        print("|------|--------|----------|-----------|------------------------|-----------------------"
-              "|------------------------|-------------|")
+        print(
+            "| rows | prompt | torch ms | triton ms | triton + CUDA graph ms | target alone ms/token "
+            "| HF generate() ms/token | paths agree |"
+        )
+        print(
+            "|------|--------|----------|-----------|------------------------|-----------------------"
+            "|------------------------|-------------|"
+        )
         for r in loop:
             m = r["ms_per_step"]
-            print(f"| {r['rows']} | {r['prompt_len']} | {m['torch']} | {m['triton']} | {m['triton+graph']} | "
-                  f"{r['baseline_ms_per_token']} | {r['hf_generate_ms_per_token']} | {r['dflash_paths_agree']} |")
+            print(
+                f"| {r['rows']} | {r['prompt_len']} | {m['torch']} | {m['triton']} | {m['triton+graph']} | "
+                f"{r['baseline_ms_per_token']} | {r['hf_generate_ms_per_token']} | {r['dflash_paths_agree']} |"
+            )
     print(f"total {time.perf_counter() - t0:.0f}s")
-    result = {"title": title, "device": name, "dry_run": args.dry_run, "torch": torch.__version__,
-              "cuda": torch.version.cuda, "triton": triton.__version__, "python": platform.python_version(),
-              "peak_tbs": peak, "shapes": {k: str(v) for k, v in cfg.items()}, "rows": rep.rows,
-              "engine_parity": engine, "loop": loop, "table_markdown": rep.table()}
+    result = {
+        "title": title,
+        "device": name,
+        "dry_run": args.dry_run,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "peak_tbs": peak,
+        "shapes": {k: str(v) for k, v in cfg.items()},
+        "rows": rep.rows,
+        "engine_parity": engine,
+        "loop": loop,
+        "table_markdown": rep.table(),
+    }
     out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

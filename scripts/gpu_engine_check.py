@@ -24,13 +24,21 @@ def engine_parity(dev) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_trt.config import DrafterConfig, SamplingParams
+    from dflash_trt.decoding.loop import generate, generate_baseline
     from dflash_trt.modeling.drafter import DFlashDrafter
     from dflash_trt.modeling.target import TargetModel
-    from dflash_trt.decoding.loop import generate, generate_baseline
 
     torch.manual_seed(0)
-    hf_cfg = Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, intermediate_size=256, vocab_size=256, max_position_embeddings=512)
+    hf_cfg = Qwen3Config(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     hf_cfg.eos_token_id = None
     target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).float().eval().to(dev))
     cfg = DrafterConfig.for_target(target.config, num_layers=2, block_size=8)
@@ -44,8 +52,13 @@ def engine_parity(dev) -> dict:
         res["triton+graph"] = generate(target, drafter, prompts, params, kernels="triton", cuda_graph="on")
     base = generate_baseline(target, prompts, params)
     same = all(r.tokens == base.tokens for r in res.values())
-    return {"identical_tokens": same, "rows": len(prompts), "block_size": 8, "paths": list(res),
-            "accept_hist_equal": all(r.stats.accept_hist == res["torch"].stats.accept_hist for r in res.values())}
+    return {
+        "identical_tokens": same,
+        "rows": len(prompts),
+        "block_size": 8,
+        "paths": list(res),
+        "accept_hist_equal": all(r.stats.accept_hist == res["torch"].stats.accept_hist for r in res.values()),
+    }
 
 
 def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
@@ -56,19 +69,30 @@ def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_trt.config import DrafterConfig, SamplingParams
+    from dflash_trt.decoding.loop import generate, generate_baseline
     from dflash_trt.modeling.drafter import DFlashDrafter
     from dflash_trt.modeling.target import TargetModel
-    from dflash_trt.decoding.loop import generate, generate_baseline
 
     torch.manual_seed(0)
-    hf_cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
+    hf_cfg = Qwen3Config(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     hf_cfg.eos_token_id = None
     target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).to(dev, torch.bfloat16).eval())
     drafter = DFlashDrafter(DrafterConfig.for_target(target.config, num_layers=5, block_size=16)).bind(target).eval()
-    modes = {"torch": dict(kernels="torch", cuda_graph="off"), "triton": dict(kernels="triton", cuda_graph="off"),
-             "triton+graph": dict(kernels="triton", cuda_graph="on")}
+    modes = {
+        "torch": dict(kernels="torch", cuda_graph="off"),
+        "triton": dict(kernels="triton", cuda_graph="off"),
+        "triton+graph": dict(kernels="triton", cuda_graph="on"),
+    }
     out = []
     for R in rows:
         g = torch.Generator().manual_seed(R)
@@ -99,17 +123,34 @@ def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
         t_hf = (time.perf_counter() - t0) / new_tokens
         # bf16: a block verify and one-token decoding may round a near-tie differently, so this is
         # reported (with where rows first differ) rather than failed; engine_parity is the exact check
-        diverge = {k: min((next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                           for x, y in zip(r.tokens, base.tokens)), key=lambda i: 1e9 if i is None else i)
-                   for k, r in res.items()}
-        row = dict(rows=R, prompt_len=prompt_len, new_tokens=new_tokens, tau=res["torch"].stats.tau,
-                   identical=all(r.tokens == base.tokens for r in res.values()), first_divergence=diverge,
-                   ms_per_step={k: round(v * 1e3, 2) for k, v in per_step.items()},
-                   baseline_ms_per_token=round(t_base * 1e3, 2), hf_generate_ms_per_token=round(t_hf * 1e3, 2),
-                   dflash_paths_agree=all(r.tokens == res["torch"].tokens for r in res.values()))
-        print(f"  loop R={R}: ms per verify step {row['ms_per_step']}, target alone {row['baseline_ms_per_token']} "
-              f"ms/token, HF generate() {row['hf_generate_ms_per_token']} ms/token, tau {row['tau']:.2f}, identical to the "
-              f"target alone {row['identical']} (first divergence {diverge}), DFlash paths agree "
-              f"{row['dflash_paths_agree']}", flush=True)
+        diverge = {
+            k: min(
+                (
+                    next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                    for x, y in zip(r.tokens, base.tokens)
+                ),
+                key=lambda i: 1e9 if i is None else i,
+            )
+            for k, r in res.items()
+        }
+        row = dict(
+            rows=R,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            tau=res["torch"].stats.tau,
+            identical=all(r.tokens == base.tokens for r in res.values()),
+            first_divergence=diverge,
+            ms_per_step={k: round(v * 1e3, 2) for k, v in per_step.items()},
+            baseline_ms_per_token=round(t_base * 1e3, 2),
+            hf_generate_ms_per_token=round(t_hf * 1e3, 2),
+            dflash_paths_agree=all(r.tokens == res["torch"].tokens for r in res.values()),
+        )
+        print(
+            f"  loop R={R}: ms per verify step {row['ms_per_step']}, target alone {row['baseline_ms_per_token']} "
+            f"ms/token, HF generate() {row['hf_generate_ms_per_token']} ms/token, tau {row['tau']:.2f}, "
+            f"identical to the target alone {row['identical']} (first divergence {diverge}), DFlash paths agree "
+            f"{row['dflash_paths_agree']}",
+            flush=True,
+        )
         out.append(row)
     return out

@@ -1,4 +1,4 @@
-"""Time-boxed GPU run of the drafter recipe (issue #3) on a lent GPU machine that cannot download models.
+r"""Time-boxed GPU run of the drafter recipe (issue #3) on a lent GPU machine that cannot download models.
 
     python scripts/gpu_train_run.py pack --model DIR --out .gpu --bits 6      # here: the target in parts
     python scripts/gpu_train_run.py run --parts .gpu --budget 500             # there: data, train, eval
@@ -18,14 +18,16 @@ whole sequence before the first call, and issue the calls back to back: a machin
 is given back with every part on it):
     echo /.gpu/ >> .git/info/exclude
     .venv/bin/python scripts/gpu_train_run.py pack --model ~/.cache/dflash-trt/models/qwen2.5-coder-0.5b-instruct
-    .venv/bin/python scripts/heldout_split.py --dataset humaneval --eval-limit 8 --num 32 --out .gpu/side/val_prompts.jsonl
+    .venv/bin/python scripts/heldout_split.py --dataset humaneval --eval-limit 8 --num 32 \
+        --out .gpu/side/val_prompts.jsonl
     (the 8 eval prompts: {"prompt": p} lines of load_prompts("humaneval", 8) -> .gpu/side/eval_prompts.jsonl)
     mv dflash_trt/assets/drafters /tmp/   # 10 MB that would not fit beside a 60 MiB part; move back after
     run carry=[.gpu/p00] ... carry=[.gpu/p06]: `du -sh .gpu/*` (each call adds one part; warm machines keep them)
     run carry=[.gpu/p07, .gpu/side]: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/gpu_train_run.py run --budget B
     (B = the call's timeout minus about 40 s; the drafter is shipped before the eval, so a kill during
     the eval loses only the eval), then give_back, then
-    cat drafter.tar.* > d.tar && tar xf d.tar && dflash-trt eval --target T --drafter drafter --prompts humaneval --limit 8
+    cat drafter.tar.* > d.tar && tar xf d.tar && \
+        dflash-trt eval --target T --drafter drafter --prompts humaneval --limit 8
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def dequantize(buf: bytes, scale: torch.Tensor, shape: list[int], bits: int, dev
     word = torch.zeros(raw.shape[0], dtype=torch.int64, device=device)
     for j in range(bits):
         word |= raw[:, j] << (8 * j)
-    mask = 2 ** bits - 1
+    mask = 2**bits - 1
     codes = torch.stack([(word >> (bits * i)) & mask for i in range(8)], 1).reshape(-1, GROUP)
     vals = (codes - 2 ** (bits - 1)).float() * scale.to(device).float()[:, None]
     return vals.reshape(shape).to(torch.bfloat16)
@@ -98,14 +100,15 @@ def pack(model: Path, out: Path, bits: int, part_mb: float) -> None:
     for f in sorted(model.iterdir()):
         if f.is_file() and not f.name.startswith(("model", ".")):  # weights travel in the parts
             (out / "side" / (f.name + ".xz")).write_bytes(lzma.compress(f.read_bytes()))
-    step = int(part_mb * 2 ** 20)
+    step = int(part_mb * 2**20)
     parts = math.ceil(len(blob) / step)
     for i in range(parts):
         d = out / f"p{i:02d}"
         d.mkdir(exist_ok=True)
-        (d / "blob").write_bytes(bytes(blob[i * step: (i + 1) * step]))
-    (out / "side" / "index.json").write_text(json.dumps({"bits": bits, "parts": parts, "size": len(blob),
-                                                         "tensors": index}))
+        (d / "blob").write_bytes(bytes(blob[i * step : (i + 1) * step]))
+    (out / "side" / "index.json").write_text(
+        json.dumps({"bits": bits, "parts": parts, "size": len(blob), "tensors": index})
+    )
     print(f"{len(blob) / 2**20:.0f} MiB in {parts} parts of <= {part_mb} MiB under {out}")
 
 
@@ -120,19 +123,22 @@ def unpack(parts: Path, dest: Path, device) -> Path:
     assert len(blob) == meta["size"], (len(blob), meta["size"])
     state = {}
     for e in meta["tensors"]:
-        raw = blob[e["offset"]: e["offset"] + e["nbytes"]]
+        raw = blob[e["offset"] : e["offset"] + e["nbytes"]]
         if e["kind"] == "q":
             n = math.prod(e["shape"]) // GROUP
-            scale = torch.frombuffer(bytearray(blob[e["scale_offset"]: e["scale_offset"] + 2 * n]), dtype=torch.float16)
+            scale = torch.frombuffer(
+                bytearray(blob[e["scale_offset"] : e["scale_offset"] + 2 * n]), dtype=torch.float16
+            )
             state[e["name"]] = dequantize(raw, scale, e["shape"], meta["bits"], device).cpu()
         else:
-            state[e["name"]] = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16).reshape(e["shape"])
+            state[e["name"]] = (
+                torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16).reshape(e["shape"])
+            )
     dest.mkdir(parents=True, exist_ok=True)
     save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
     for f in (parts / "side").glob("*.xz"):
         (dest / f.name[:-3]).write_bytes(lzma.decompress(f.read_bytes()))
     return dest
-
 
 
 # ---- the time-boxed run ---------------------------------------------------------------------------
@@ -146,8 +152,9 @@ class Log:
         self.f.write(line + "\n")
 
 
-def _answers(target, tok, prompts, out: Path, cap_s: float, log, batch: int, new_tokens: int, temperature: float,
-             seed: int) -> int:
+def _answers(
+    target, tok, prompts, out: Path, cap_s: float, log, batch: int, new_tokens: int, temperature: float, seed: int
+) -> int:
     """Regenerate answers chunk by chunk (generate_data resumes) until the prompts or cap_s run out."""
     from dflash_trt.train.data import generate_data
 
@@ -155,8 +162,18 @@ def _answers(target, tok, prompts, out: Path, cap_s: float, log, batch: int, new
     while done < len(prompts):
         t1 = time.time()
         nxt = min(len(prompts), done + batch)
-        generate_data(target, tok, prompts[:nxt], out, new_tokens, batch, shard_size=batch, temperature=temperature,
-                      seed=seed, progress=False)
+        generate_data(
+            target,
+            tok,
+            prompts[:nxt],
+            out,
+            new_tokens,
+            batch,
+            shard_size=batch,
+            temperature=temperature,
+            seed=seed,
+            progress=False,
+        )
         took = time.time() - t1
         done = nxt
         log(f"  answers {out.name}: {done}/{len(prompts)} ({took:.1f}s for {batch})")
@@ -171,15 +188,18 @@ def run(a) -> None:
     log = Log(out / "run.log")
     deadline = log.t0 + a.budget
     dev = torch.device(a.device)
+    import transformers
+
     from dflash_trt.api import load_target, load_tokenizer
     from dflash_trt.train.corpus import load_texts, score_corpus
     from dflash_trt.train.data import generate_data, load_prompts, read_sequences
     from dflash_trt.train.trainer import TrainConfig, train
     from dflash_trt.train.validate import mark_validation
 
-    import transformers
-    log(f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
-        f"device {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'cpu'}")
+    log(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
+        f"device {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'cpu'}"
+    )
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     tdir = unpack(Path(a.parts), work / "target", dev)
@@ -195,8 +215,9 @@ def run(a) -> None:
         data_dirs.append(work / "answers")
         if n == len(prompts) and a.sampled and time.time() < end:
             data_dirs.append(work / "answers_t07")
-            _answers(target, tok, prompts, work / "answers_t07", end - time.time(), log, a.gen_batch,
-                     a.new_tokens, 0.7, 1)
+            _answers(
+                target, tok, prompts, work / "answers_t07", end - time.time(), log, a.gen_batch, a.new_tokens, 0.7, 1
+            )
     except Exception:
         log("answers FAILED:\n" + traceback.format_exc())
     try:  # 2. validation answers (held-out HumanEval prompts, disjoint from the eval's)
@@ -214,8 +235,9 @@ def run(a) -> None:
         lim = 0
         while time.time() - t < a.score_s:
             lim += a.score_chunk
-            score_corpus(target, tok, texts, work / "scored", 512, lim, a.score_batch, shard_size=a.score_chunk,
-                         progress=False)
+            score_corpus(
+                target, tok, texts, work / "scored", 512, lim, a.score_batch, shard_size=a.score_chunk, progress=False
+            )
             got = len(read_sequences(work / "scored"))
             log(f"  scored windows: {got}")
             if got < lim:
@@ -224,20 +246,45 @@ def run(a) -> None:
         log("scoring FAILED:\n" + traceback.format_exc())
     data_dirs = [d for d in data_dirs + [work / "scored"] if list(d.glob("data-*.jsonl"))]  # written shards only
     sizes = {d.name: read_sequences(d) for d in data_dirs}
-    log("data: " + ", ".join(f"{name} {len(seqs)} seqs {sum(len(q['input_ids']) for q in seqs)} tok"
-                             for name, seqs in sizes.items()))
+    log(
+        "data: "
+        + ", ".join(
+            f"{name} {len(seqs)} seqs {sum(len(q['input_ids']) for q in seqs)} tok" for name, seqs in sizes.items()
+        )
+    )
 
-    base = dict(target=str(tdir), data=",".join(map(str, data_dirs)), num_layers=a.layers, block_size=16,
-                anchors_per_seq=16, batch_size=a.train_batch, lr=6e-4, gamma=a.gamma, draft_vocab=16384,
-                features="online", max_seq_len=512, val_data=str(val) if val else None, log_every=20)
+    base = dict(
+        target=str(tdir),
+        data=",".join(map(str, data_dirs)),
+        num_layers=a.layers,
+        block_size=16,
+        anchors_per_seq=16,
+        batch_size=a.train_batch,
+        lr=6e-4,
+        gamma=a.gamma,
+        draft_vocab=16384,
+        features="online",
+        max_seq_len=512,
+        val_data=str(val) if val else None,
+        log_every=20,
+    )
     drafter_dir = None
     try:  # 4. train: calibrate the step time, then fit whole epochs into what is left before the eval
         t = time.time()
         spans = []
         for steps in (3, 11):  # the difference of two short runs: the step time without the setup
             t1 = time.time()
-            train(TrainConfig(**{**base, "val_data": None}, out=str(work / f"cal{steps}"), epochs=1, max_steps=steps,
-                              save_every=10**6), target, progress=False)
+            train(
+                TrainConfig(
+                    **{**base, "val_data": None},
+                    out=str(work / f"cal{steps}"),
+                    epochs=1,
+                    max_steps=steps,
+                    save_every=10**6,
+                ),
+                target,
+                progress=False,
+            )
             spans.append(time.time() - t1)
         per_step = max(1e-3, (spans[1] - spans[0]) / 8) * 1.1  # 10% for the held-out checks and saves
         seqs = sum(map(len, sizes.values()))
@@ -247,10 +294,15 @@ def run(a) -> None:
         epochs = max(1, min(a.max_epochs, fit // per_epoch))
         max_steps = None if fit >= per_epoch else max(1, fit)
         save_every = max(50, (epochs * per_epoch if max_steps is None else max_steps) // 4)
-        log(f"train: {seqs} seqs, {per_epoch} steps/epoch, {per_step:.3f} s/step (calibration, setup {spans[0]:.1f}s), budget {budget:.0f}s "
-            f"-> epochs {epochs}, max_steps {max_steps}")
-        drafter_dir = train(TrainConfig(**base, out=str(work / "train"), epochs=epochs, max_steps=max_steps,
-                                        save_every=save_every), target, progress=False)
+        log(
+            f"train: {seqs} seqs, {per_epoch} steps/epoch, {per_step:.3f} s/step (calibration, "
+            f"setup {spans[0]:.1f}s), budget {budget:.0f}s -> epochs {epochs}, max_steps {max_steps}"
+        )
+        drafter_dir = train(
+            TrainConfig(**base, out=str(work / "train"), epochs=epochs, max_steps=max_steps, save_every=save_every),
+            target,
+            progress=False,
+        )
         log(f"trained in {time.time() - t:.0f}s -> {drafter_dir}")
         shutil.copy(work / "train" / "metrics.jsonl", out / "metrics.jsonl")
     except Exception:
@@ -263,11 +315,14 @@ def run(a) -> None:
             from dflash_trt.train.evaluate import evaluate
 
             target.float()
-            res = evaluate(str(tdir), str(drafter_dir), a.eval_prompts, limit=8, max_new_tokens=128,
-                           target_model=(target, tdir))
+            res = evaluate(
+                str(tdir), str(drafter_dir), a.eval_prompts, limit=8, max_new_tokens=128, target_model=(target, tdir)
+            )
             (out / "eval_gpu.json").write_text(json.dumps(res, indent=1))
-            log(f"GPU eval: tau {res['tau']:.2f}, speedup {res['speedup']:.2f}x, per-position "
-                + " ".join(f"{p:.2f}" for p in res["per_position_acceptance"][:6]))
+            log(
+                f"GPU eval: tau {res['tau']:.2f}, speedup {res['speedup']:.2f}x, per-position "
+                + " ".join(f"{p:.2f}" for p in res["per_position_acceptance"][:6])
+            )
         except Exception:
             log("eval FAILED:\n" + traceback.format_exc())
     log("done")
@@ -283,14 +338,17 @@ def _ship(work: Path, out: Path, drafter_dir, data_dirs, log) -> None:
         if drafter_dir:
             d = Path(drafter_dir)
             st = load_file(str(d / "model.safetensors"))
-            save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in st.items()},
-                      str(d / "model.safetensors"), metadata={"format": "pt"})
+            save_file(
+                {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in st.items()},
+                str(d / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
             with tarfile.open(work / "drafter.tar", "w") as tf:
                 tf.add(d, arcname="drafter")
             raw = (work / "drafter.tar").read_bytes()
-            step = 15 * 2 ** 20
+            step = 15 * 2**20
             for i in range(math.ceil(len(raw) / step)):
-                (out / f"drafter.tar.{i}").write_bytes(raw[i * step: (i + 1) * step])
+                (out / f"drafter.tar.{i}").write_bytes(raw[i * step : (i + 1) * step])
             log(f"drafter: {len(raw) / 2**20:.1f} MiB in {math.ceil(len(raw) / step)} pieces")
         answers = [d for d in data_dirs if d.name.startswith("answers")]
         if answers:
@@ -309,7 +367,13 @@ def main() -> None:
     p.add_argument("--model", required=True, help="HF folder of the target (dflash-trt models fetch ...)")
     p.add_argument("--out", default=".gpu")
     p.add_argument("--bits", type=int, default=6, choices=(4, 5, 6, 7, 8))
-    p.add_argument("--part-mb", type=float, default=60, help="60 MiB parts + the checkout (about 1.3 MiB without dflash_trt/assets/drafters, which the calls move aside) fit one call's 64 MiB")
+    p.add_argument(
+        "--part-mb",
+        type=float,
+        default=60,
+        help="60 MiB parts + the checkout (about 1.3 MiB without dflash_trt/assets/drafters, which the calls "
+        "move aside) fit one call's 64 MiB",
+    )
     r = sub.add_parser("run", help="data, training and eval on the GPU within --budget seconds (there)")
     r.add_argument("--parts", default=".gpu")
     r.add_argument("--out", default=None, help="default $OUT")
@@ -321,8 +385,12 @@ def main() -> None:
     r.add_argument("--reserve-s", type=float, default=60, help="kept for shipping and the eval after training")
     r.add_argument("--gen-batch", type=int, default=256)
     r.add_argument("--new-tokens", type=int, default=256)
-    r.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
-                   help="after the greedy answers, sampled (T=0.7) ones while the answers budget lasts")
+    r.add_argument(
+        "--sampled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the greedy answers, sampled (T=0.7) ones while the answers budget lasts",
+    )
     r.add_argument("--prompts", default="stdlib-code", help="training prompts (as `data generate --prompts`)")
     r.add_argument("--text", default="stdlib-src", help="text the target scores (as `data score --text`)")
     r.add_argument("--score-chunk", type=int, default=1024)

@@ -28,8 +28,10 @@ def main() -> None:
     with open(a.out, "w") as f:
         for p in chosen:
             f.write(json.dumps({"prompt": p}) + "\n")
-    print(f"{a.out}: {len(chosen)} {a.dataset} prompts, none among the {len(measured)} that eval --limit "
-          f"{a.eval_limit} uses")
+    print(
+        f"{a.out}: {len(chosen)} {a.dataset} prompts, none among the {len(measured)} that eval --limit "
+        f"{a.eval_limit} uses"
+    )
 
 
 if __name__ == "__main__":

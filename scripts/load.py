@@ -23,11 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_trt.decoding.stats import acceptance_rate  # noqa: E402
 from dflash_trt.serving.client import build_inputs, parse_result  # noqa: E402
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
-PROMPTS = ["Explain speculative decoding in one paragraph.", "def fibonacci(n):", "The capital of France is",
-           "Write a haiku about GPUs.", "List three prime numbers:", "Once upon a time"]
+PROMPTS = [
+    "Explain speculative decoding in one paragraph.",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Write a haiku about GPUs.",
+    "List three prime numbers:",
+    "Once upon a time",
+]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -52,8 +59,12 @@ async def one_stream(client, args, prompt: str) -> dict:
     inputs = build_inputs(prompt, args.max_tokens, temperature=args.temperature, stream=True)
 
     async def requests():
-        yield {"model_name": args.stream_model, "inputs": inputs, "request_id": uuid.uuid4().hex,
-               "enable_empty_final_response": True}
+        yield {
+            "model_name": args.stream_model,
+            "inputs": inputs,
+            "request_id": uuid.uuid4().hex,
+            "enable_empty_final_response": True,
+        }
 
     first, last, text = None, {}, []
     async for result, error in client.stream_infer(inputs_iterator=requests()):
@@ -84,8 +95,11 @@ async def run(args) -> dict:
                 return
             try:
                 fn = one_stream if args.stream else one_unary
-                results.append(await asyncio.wait_for(fn(client, args, prompts[i % len(prompts)]),
-                                                      max(0.1, deadline - time.perf_counter())))
+                results.append(
+                    await asyncio.wait_for(
+                        fn(client, args, prompts[i % len(prompts)]), max(0.1, deadline - time.perf_counter())
+                    )
+                )
             except Exception as e:  # counted, not fatal: a load test reports failures
                 errors.append(f"{type(e).__name__}: {e}")
 
@@ -100,13 +114,20 @@ async def run(args) -> dict:
     out_tokens = sum(r.get("num_output_tokens") or 0 for r in results)
     drafted = sum(r.get("total_draft_tokens") or 0 for r in results)
     accepted = sum(r.get("total_accepted_draft_tokens") or 0 for r in results)
-    report = {"requests": args.requests, "ok": len(results), "failed": len(errors),
-              "not_sent": args.requests - len(results) - len(errors), "wall_s": wall,
-              "requests_per_s": len(results) / wall if wall else 0.0, "output_tokens": out_tokens,
-              "output_tokens_per_s": out_tokens / wall if wall else 0.0,
-              "acceptance_rate": accepted / drafted if drafted else 0.0,
-              "mean_acceptance_length": statistics.fmean([r["acceptance_length"] for r in results
-                                                          if r.get("acceptance_length")] or [0.0])}
+    report = {
+        "requests": args.requests,
+        "ok": len(results),
+        "failed": len(errors),
+        "not_sent": args.requests - len(results) - len(errors),
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall if wall else 0.0,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+        "acceptance_rate": acceptance_rate(accepted, drafted),  # decoding/stats.py
+        "mean_acceptance_length": statistics.fmean(
+            [r["acceptance_length"] for r in results if r.get("acceptance_length")] or [0.0]
+        ),
+    }
     for name, xs in (("latency", lat), ("ttft", ttft)):
         for q in (0.5, 0.9, 0.99):
             report[f"{name}_p{int(q * 100)}_s"] = percentile(xs, q)

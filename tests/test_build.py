@@ -12,7 +12,6 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-
 from conftest import tiny_drafter, tiny_hf, tiny_model_dir
 
 from dflash_trt.cli import main
@@ -22,13 +21,7 @@ from dflash_trt.modeling.target import TargetModel
 BLOCK = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core host run much faster on one intra-op thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +39,16 @@ def write_yaml(path: Path, **fields) -> Path:
 
 
 def base_fields(root: Path, **over) -> dict:
-    return {"target": str(root / "target"), "drafter": str(root / "drafter"), "dtype": "float32", "max_batch": 4,
-            "max_seq_len": 256, "instance_count": 1, "cpu_threads": 1, **over}
+    return {
+        "target": str(root / "target"),
+        "drafter": str(root / "drafter"),
+        "dtype": "float32",
+        "max_batch": 4,
+        "max_seq_len": 256,
+        "instance_count": 1,
+        "cpu_threads": 1,
+        **over,
+    }
 
 
 def cli(*args):
@@ -74,39 +75,73 @@ def leftovers(parent: Path, name: str) -> list[str]:
 def test_torch_build_is_served_with_in_process_greedy_text(pair, tmp_path):
     pytest.importorskip("pytriton", reason="nvidia-pytriton not installed (pip install 'dflash-trt[serve]')")
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed")
-    from dflash_trt.config import SamplingParams
     from dflash_trt.api import load_drafter
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.decoding.loop import generate
     from dflash_trt.serving.client import DFlashClient
     from dflash_trt.serving.server import TritonServer
     from dflash_trt.serving.text import TextCodec
-    from dflash_trt.decoding.loop import generate
 
     root, target = pair
     out, manifest = build(tmp_path, root)
-    assert statuses(manifest) == {"check": "ran", "quantize": "not needed", "convert": "not needed", "engine": "ran",
-                                  "repo": "ran", "emit": "not needed", "eval": "not needed"}
+    assert statuses(manifest) == {
+        "check": "ran",
+        "quantize": "not needed",
+        "convert": "not needed",
+        "engine": "ran",
+        "repo": "ran",
+        "emit": "not needed",
+        "eval": "not needed",
+    }
     assert manifest["inputs"]["target"]["files"]["model.safetensors"]
-    assert manifest["versions"]["torch"] and manifest["versions"]["transformers"] and manifest["config"]["max_batch"] == 4
+    assert (
+        manifest["versions"]["torch"] and manifest["versions"]["transformers"] and manifest["config"]["max_batch"] == 4
+    )
     assert json.loads((out / "engine" / "manifest.json").read_text())["block_size"] == BLOCK
     codec = TextCodec.from_dir(out / "engine" / "tokenizer")
     drafter = load_drafter(target, str(out / "engine" / "drafter"))
     with TritonServer(out / "model_repo", startup_timeout=300) as srv, DFlashClient(srv.grpc_url) as client:
         for prompt, n in [("hello world", 20), ("héllo wörld ✓ 漢字", 12)]:
-            toks = generate(target, drafter, [codec.encode(prompt, True)], SamplingParams(max_new_tokens=n)).tokens[0]  # chat: true
+            toks = generate(target, drafter, [codec.encode(prompt, True)], SamplingParams(max_new_tokens=n)).tokens[
+                0
+            ]  # chat: true
             assert client.generate(prompt, max_tokens=n)["text"] == codec.decode(toks)
         # the `dflash-trt client` command prints the text (unary and streamed) and the statistics
         want = codec.decode(toks)
         for extra in ([], ["--stream"]):
-            r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n),
-                                          *extra])
+            r = CliRunner().invoke(
+                main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n), *extra]
+            )
             assert r.exit_code == 0, r.output
             assert r.stdout.startswith(want) and "acceptance length" in r.stderr
-        r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n),
-                                      "--json"])
+        r = CliRunner().invoke(
+            main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", str(n), "--json"]
+        )
         assert json.loads(r.stdout)["text"] == want
-        sampled = [CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--max-tokens", "8",
-                                             "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "7",
-                                             "--json"]) for _ in range(2)]
+        sampled = [
+            CliRunner().invoke(
+                main,
+                [
+                    "client",
+                    "--url",
+                    srv.grpc_url,
+                    "--prompt",
+                    prompt,
+                    "--max-tokens",
+                    "8",
+                    "--temperature",
+                    "0.9",
+                    "--top-k",
+                    "20",
+                    "--top-p",
+                    "0.9",
+                    "--seed",
+                    "7",
+                    "--json",
+                ],
+            )
+            for _ in range(2)
+        ]
         assert all(x.exit_code == 0 for x in sampled), sampled[0].output
         assert json.loads(sampled[0].stdout)["text"] == json.loads(sampled[1].stdout)["text"]  # seeded
         r = CliRunner().invoke(main, ["client", "--url", srv.grpc_url, "--prompt", prompt, "--top-p", "1.5"])
@@ -125,14 +160,17 @@ def _other_target_drafter(root: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("case, want", [
-    ("unknown_field", "max_batchh"),
-    ("wrong_type", "max_batch='lots': must be an integer"),
-    ("incompatible_drafter", "hidden_size"),
-    ("nvfp4_on_hopper", "target_quant=nvfp4"),
-    ("missing_tokenizer", "tokenizer="),
-    ("draft_cutoff", "draft_cutoff=1.0"),
-])
+@pytest.mark.parametrize(
+    "case, want",
+    [
+        ("unknown_field", "max_batchh"),
+        ("wrong_type", "max_batch='lots': must be an integer"),
+        ("incompatible_drafter", "hidden_size"),
+        ("nvfp4_on_hopper", "target_quant=nvfp4"),
+        ("missing_tokenizer", "tokenizer="),
+        ("draft_cutoff", "draft_cutoff=1.0"),
+    ],
+)
 def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
     root, _ = pair
     fields = base_fields(root)
@@ -183,8 +221,11 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
     root, _ = pair
     out, first = build(tmp_path, root)
     _, second = build(tmp_path, root)
-    assert {k: v for k, v in statuses(second).items() if v != "not needed"} == \
-        {"check": "cached", "engine": "cached", "repo": "cached"}
+    assert {k: v for k, v in statuses(second).items() if v != "not needed"} == {
+        "check": "cached",
+        "engine": "cached",
+        "repo": "cached",
+    }
     assert (out / "engine" / "target" / "model.safetensors").is_file()
     _, third = build(tmp_path, root, instance_count=2, decoupled=False)  # repo options only
     assert statuses(third)["engine"] == "cached" and statuses(third)["repo"] == "ran"
@@ -196,27 +237,27 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
 
 def test_failed_or_interrupted_stage_leaves_no_or_the_old_out_dir(pair, tmp_path, monkeypatch):
     root, _ = pair
-    import dflash_trt.serving.repo as repo_mod
+    import dflash_trt.deploy.stages as stages_mod  # the repo stage's fill_model_repo
 
-    good = repo_mod.fill_model_repo
+    good = stages_mod.fill_model_repo
 
     def boom(*a, **k):
         raise RuntimeError("repo stage exploded")
 
-    monkeypatch.setattr(repo_mod, "fill_model_repo", boom)
+    monkeypatch.setattr(stages_mod, "fill_model_repo", boom)
     cfg = write_yaml(tmp_path / "d.yaml", **base_fields(root))
     with pytest.raises(RuntimeError, match="exploded"):
         cli("--config", cfg, "--out", tmp_path / "out")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path, "out")
 
-    monkeypatch.setattr(repo_mod, "fill_model_repo", good)
+    monkeypatch.setattr(stages_mod, "fill_model_repo", good)
     out, before = build(tmp_path, root)
     snapshot = (out / "build.json").read_text()
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(repo_mod, "fill_model_repo", interrupt)
+    monkeypatch.setattr(stages_mod, "fill_model_repo", interrupt)
     r = cli("--config", cfg, "--out", out, "--force")  # Ctrl-C during the repo stage
     assert r.exit_code == 1 and "Aborted" in r.output
     assert (out / "build.json").read_text() == snapshot and (out / "model_repo" / "dflash").is_dir()
@@ -241,10 +282,18 @@ def test_trtllm_pytorch_model_yaml_and_emitted_commands(pair, tmp_path):
     out, manifest = build(tmp_path, root, backend="trtllm-pytorch", emit="vllm,sglang", kv_cache="fp8")
     conf = yaml.safe_load((out / "engine" / "model.yaml").read_text())
     drafter = out / "engine" / "drafter"
-    assert conf["speculative_config"] == {"decoding_type": "DFlash", "speculative_model": str(drafter),
-                                          "max_draft_len": BLOCK - 1, "mask_token_id": conf["speculative_config"]["mask_token_id"],
-                                          "target_layer_ids": DrafterConfig.load(root / "drafter").target_layer_ids}
-    assert conf["backend"] == "pytorch" and conf["model"] == str(root / "target") and conf["kv_cache_config"] == {"dtype": "fp8"}
+    assert conf["speculative_config"] == {
+        "decoding_type": "DFlash",
+        "speculative_model": str(drafter),
+        "max_draft_len": BLOCK - 1,
+        "mask_token_id": conf["speculative_config"]["mask_token_id"],
+        "target_layer_ids": DrafterConfig.load(root / "drafter").target_layer_ids,
+    }
+    assert (
+        conf["backend"] == "pytorch"
+        and conf["model"] == str(root / "target")
+        and conf["kv_cache_config"] == {"dtype": "fp8"}
+    )
     assert (drafter / "config.json").is_file() and (drafter / "model.safetensors").is_file()
     assert DrafterConfig.load(drafter).block_size == BLOCK
     served = yaml.safe_load((out / "model_repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
@@ -255,20 +304,47 @@ def test_trtllm_pytorch_model_yaml_and_emitted_commands(pair, tmp_path):
     assert spec == {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": BLOCK - 1}
     assert "--speculative-algorithm DFLASH" in sglang and f"--speculative-draft-model-path {root / 'drafter'}" in sglang
     assert f"--speculative-num-draft-tokens {BLOCK}" in sglang
-    assert statuses(manifest)["emit"] == "ran" and set(manifest["stages"]["emit"]["info"]["commands"]) == {"vllm", "sglang"}
+    assert statuses(manifest)["emit"] == "ran" and set(manifest["stages"]["emit"]["info"]["commands"]) == {
+        "vllm",
+        "sglang",
+    }
 
 
 # ---- (g) quantized build: eval numbers in build.json -----------------------------------------------
 def test_quantized_build_reports_tau_and_agreement(pair, tmp_path):
+    from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, stop_ids
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.decoding.loop import generate
     from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint
-    from dflash_trt.api import load_drafter, load_target
+    from dflash_trt.deploy.quant_eval import BUILTIN_PROMPTS
 
     root, _ = pair
-    out, manifest = build(tmp_path, root, target_quant="fp8", drafter_quant="nvfp4", sm="sm_100",
-                          calib_prompts=2, eval_prompts=3, eval_max_new_tokens=8)
+    out, manifest = build(
+        tmp_path,
+        root,
+        target_quant="fp8",
+        drafter_quant="nvfp4",
+        sm="sm_100",
+        calib_prompts=2,
+        eval_prompts=3,
+        eval_max_new_tokens=8,
+    )
     assert statuses(manifest)["quantize"] == "ran" and statuses(manifest)["eval"] == "ran"
     ev = manifest["eval"]
-    assert ev["prompts"] == 3 and ev["tau_bf16"] >= 1.0 and ev["tau_quantized"] >= 1.0
+    assert ev["prompts"] == 3
+    # each pair's tau, recomputed here from its own greedy run on the same held-out prompts: the eval
+    # reports the pairs it names (input folders vs the quantised ones), not just any run's tau
+    tok = load_tokenizer(str(root / "target"))
+    ids = [encode(tok, p, True) for p in BUILTIN_PROMPTS[:3]]
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=stop_ids(tok))
+
+    def tau_of(target_dir, drafter_dir) -> float:
+        t, _ = load_target(str(target_dir), "float32", progress=False)
+        return generate(t, load_drafter(t, str(drafter_dir)), ids, params).stats.tau
+
+    assert ev["tau_bf16"] == pytest.approx(tau_of(root / "target", root / "drafter"))
+    assert ev["tau_quantized"] == pytest.approx(tau_of(out / "quantized" / "target", out / "quantized" / "drafter"))
+    assert 1.0 <= ev["tau_bf16"] <= BLOCK and 1.0 <= ev["tau_quantized"] <= BLOCK
     for k in ("token_agreement", "prefix_agreement", "exact_match"):
         assert 0.0 <= ev[k] <= 1.0
     _, hf_qc, _ = load_quantized_checkpoint(out / "quantized" / "target")
@@ -280,8 +356,8 @@ def test_quantized_build_reports_tau_and_agreement(pair, tmp_path):
     assert isinstance(load_drafter(target, str(out / "engine" / "drafter")).config, DrafterConfig)
     # the serving loader reads the quantized engine folders too, with the same numerics as in-process
     from dflash_trt.config import SamplingParams
-    from dflash_trt.serving.orchestrator import load_engine_factory
     from dflash_trt.decoding.loop import generate_baseline
+    from dflash_trt.serving.orchestrator import load_engine_factory
 
     engine = load_engine_factory(str(out / "engine" / "target"), str(out / "engine" / "drafter"), dtype="float32")()
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -73,7 +73,9 @@ def test_shipped_drafter_is_lossless_and_accepts_on_its_real_target():
     target, path = load_target(b.target, "float32", progress=False)
     tok = load_tokenizer(path)
     drafter = load_drafter(target, b.name)
-    prompts = [encode(tok, "Write a Python function that returns the n-th Fibonacci number, with a docstring.", chat=True)]
+    prompts = [
+        encode(tok, "Write a Python function that returns the n-th Fibonacci number, with a docstring.", chat=True)
+    ]
     params = SamplingParams(max_new_tokens=64, stop_token_ids=stop_ids(tok))
     out = generate(target, drafter, prompts, params)
     assert out.tokens == generate_baseline(target, prompts, params).tokens

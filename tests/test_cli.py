@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import tiny_model_dir
+
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
 from dflash_trt.modeling.drafter import DFlashDrafter
@@ -29,19 +29,52 @@ def run(*args):
 
 def test_generate_json_matches_baseline(pair):
     root, target = pair
-    r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "def add", "--max-new-tokens",
-            12, "--baseline", "--json", "--dtype", "float32")
+    r = run(
+        "generate",
+        "--target",
+        target,
+        "--drafter",
+        root / "drafter",
+        "--prompt",
+        "def add",
+        "--max-new-tokens",
+        12,
+        "--baseline",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["identical_to_baseline"] is True
     assert res["stats"]["num_output_tokens"] == len(res["tokens"]) <= 12
-    assert res["stats"]["tau"] >= 1.0 and res["speedup"] > 0
+    assert res["speedup"] > 0
+    s = res["stats"]  # tau = tokens per verify step, bonus included, from the counts reported beside it
+    steps, accepted = s["num_verify_steps"], s["num_accepted_draft_tokens"]
+    assert steps > 0 and s["tau"] == pytest.approx((accepted + steps) / steps) and 1.0 <= s["tau"] <= 4  # block 4
+    assert sum(s["accept_hist"]) == steps and sum(k * h for k, h in enumerate(s["accept_hist"])) == accepted + steps
+    assert accepted + steps >= s["num_output_tokens"] - 1  # every token after the first came from a verify step
 
 
 def test_generate_with_draft_cutoff_matches_baseline(pair):
     root, target = pair
-    r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "def add", "--max-new-tokens",
-            12, "--baseline", "--json", "--dtype", "float32", "--draft-cutoff", 0.5)
+    r = run(
+        "generate",
+        "--target",
+        target,
+        "--drafter",
+        root / "drafter",
+        "--prompt",
+        "def add",
+        "--max-new-tokens",
+        12,
+        "--baseline",
+        "--json",
+        "--dtype",
+        "float32",
+        "--draft-cutoff",
+        0.5,
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["identical_to_baseline"] is True
@@ -51,8 +84,22 @@ def test_generate_with_draft_cutoff_matches_baseline(pair):
 
 def test_generate_text_output_and_stats(pair):
     root, target = pair
-    r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "hello", "--no-chat",
-            "--max-new-tokens", 8, "--temperature", 0.7, "--seed", 3)
+    r = run(
+        "generate",
+        "--target",
+        target,
+        "--drafter",
+        root / "drafter",
+        "--prompt",
+        "hello",
+        "--no-chat",
+        "--max-new-tokens",
+        8,
+        "--temperature",
+        0.7,
+        "--seed",
+        3,
+    )
     assert r.exit_code == 0, r.output
     assert "acceptance length tau" in r.output and "drafts verified" in r.output and "per step (of 3)" in r.output
 
@@ -64,12 +111,15 @@ def test_no_drafter_explains_how_to_get_one(pair):
     assert "no drafter given" in r.output and "dflash-trt train" in r.output and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--block-size", "1"], "--block-size 1: must be >= 2"),
-    (["--temperature", "-1"], "temperature=-1.0"),
-    (["--top-p", "0"], "top_p=0.0"),
-    (["--draft-cutoff", "1"], "--draft-cutoff"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--block-size", "1"], "--block-size 1: must be >= 2"),
+        (["--temperature", "-1"], "temperature=-1.0"),
+        (["--top-p", "0"], "top_p=0.0"),
+        (["--draft-cutoff", "1"], "--draft-cutoff"),
+    ],
+)
 def test_bad_flags_one_line_errors(pair, args, needle):
     root, target = pair
     r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "hi", *args)

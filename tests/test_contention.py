@@ -52,7 +52,9 @@ def test_a_busy_child_counts_and_our_own_work_does_not():
         while time.perf_counter() < end:  # one core busy, in this process
             pass
     assert own.others_share < idle.others_share + 0.4 / cpus
-    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.2)  # the child is running
         with CpuWatch() as busy:

@@ -11,11 +11,19 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_trt.deploy.convert import convert_drafter, convert_target, merge_ranks
-from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
+from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
+from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict
 from dflash_trt.errors import ConfigError
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 BF16 = torch.bfloat16
 
 
@@ -23,8 +31,11 @@ def tiny_hf(family: str, **over):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     kw = {**TINY, **over}
-    cfg = {"qwen3": lambda: Qwen3Config(head_dim=16, **kw), "qwen2": lambda: Qwen2Config(**kw),
-           "llama": lambda: LlamaConfig(**kw)}[family]()
+    cfg = {
+        "qwen3": lambda: Qwen3Config(head_dim=16, **kw),
+        "qwen2": lambda: Qwen2Config(**kw),
+        "llama": lambda: LlamaConfig(**kw),
+    }[family]()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float().eval()
 
@@ -86,8 +97,16 @@ def test_target_names_shapes_and_values(tmp_path, model):
 
 def test_target_config_fields(tmp_path, model):
     family = model.config.model_type
-    c = _cfg(convert_target((model.state_dict(), model.config), tmp_path / "t", tp_size=2, quant="fp8",
-                            act_amax=_amax(model), kv_cache="fp8"))
+    c = _cfg(
+        convert_target(
+            (model.state_dict(), model.config),
+            tmp_path / "t",
+            tp_size=2,
+            quant="fp8",
+            act_amax=_amax(model),
+            kv_cache="fp8",
+        )
+    )
     archs = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
     assert c["architecture"] == archs[family]
     assert (c["dtype"], c["num_hidden_layers"], c["num_attention_heads"]) == ("bfloat16", 2, 4)
@@ -183,17 +202,36 @@ def tiny_drafter_state(num_layers=2, taps=3, d=64, f=128, nh=4, nkv=2, hd=16):
     sd = {"fc.weight": r(d, taps * d), "hidden_norm.weight": 1 + r(d), "norm.weight": 1 + r(d)}
     for i in range(num_layers):
         p = f"layers.{i}."
-        sd |= {p + "input_layernorm.weight": 1 + r(d), p + "post_attention_layernorm.weight": 1 + r(d),
-               p + "self_attn.q_proj.weight": r(nh * hd, d), p + "self_attn.k_proj.weight": r(nkv * hd, d),
-               p + "self_attn.v_proj.weight": r(nkv * hd, d), p + "self_attn.o_proj.weight": r(d, nh * hd),
-               p + "self_attn.q_norm.weight": 1 + r(hd), p + "self_attn.k_norm.weight": 1 + r(hd),
-               p + "mlp.gate_proj.weight": r(f, d), p + "mlp.up_proj.weight": r(f, d),
-               p + "mlp.down_proj.weight": r(d, f)}
-    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": d, "intermediate_size": f,
-           "num_hidden_layers": num_layers, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd,
-           "vocab_size": 256, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 512,
-           "block_size": 8, "num_target_layers": 6,
-           "dflash_config": {"mask_token_id": 255, "target_layer_ids": [1, 3, 4]}}
+        sd |= {
+            p + "input_layernorm.weight": 1 + r(d),
+            p + "post_attention_layernorm.weight": 1 + r(d),
+            p + "self_attn.q_proj.weight": r(nh * hd, d),
+            p + "self_attn.k_proj.weight": r(nkv * hd, d),
+            p + "self_attn.v_proj.weight": r(nkv * hd, d),
+            p + "self_attn.o_proj.weight": r(d, nh * hd),
+            p + "self_attn.q_norm.weight": 1 + r(hd),
+            p + "self_attn.k_norm.weight": 1 + r(hd),
+            p + "mlp.gate_proj.weight": r(f, d),
+            p + "mlp.up_proj.weight": r(f, d),
+            p + "mlp.down_proj.weight": r(d, f),
+        }
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": hd,
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 512,
+        "block_size": 8,
+        "num_target_layers": 6,
+        "dflash_config": {"mask_token_id": 255, "target_layer_ids": [1, 3, 4]},
+    }
     return sd, cfg
 
 

@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_drafter, tiny_model_dir, tiny_target
 from torch import nn
 
-from conftest import tiny_drafter, tiny_model_dir, tiny_target
 from dflash_trt.config import SamplingParams
-from dflash_trt.modeling.cpu_pack import ENV_SWITCH, PackedLinear, pack_drafter, pack_target, pack_unavailable_reason
-from dflash_trt.errors import DFlashError
 from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.errors import DFlashError
+from dflash_trt.modeling.cpu_pack import ENV_SWITCH, PackedLinear, pack_drafter, pack_target, pack_unavailable_reason
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -64,7 +64,7 @@ def test_packed_target_forward_and_decoding(family):
     assert generate(packed, drafter, prompts, params).tokens == base
     # Hugging Face generate() runs the same packed modules (the bench's hf methods)
     hf_out = packed.hf.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)
-    assert hf_out[0, len(prompts[0]):].tolist() == base[0]
+    assert hf_out[0, len(prompts[0]) :].tolist() == base[0]
 
 
 def test_unavailable_reasons(monkeypatch):
@@ -98,8 +98,9 @@ def test_tied_head_stays_tied_through_deepcopy():
     twin = copy.deepcopy(tied)
     assert twin.lm_head.weight is twin.embed_tokens.weight is not tied.embed_tokens.weight
     ids = torch.randint(0, 256, (1, 5))
-    torch.testing.assert_close(twin.forward(ids, twin.new_cache(1, 8)).logits,
-                               tied.forward(ids, tied.new_cache(1, 8)).logits, atol=0, rtol=0)
+    torch.testing.assert_close(
+        twin.forward(ids, twin.new_cache(1, 8)).logits, tied.forward(ids, tied.new_cache(1, 8)).logits, atol=0, rtol=0
+    )
 
 
 @needs_onednn

@@ -3,21 +3,25 @@ never changes what is emitted (greedy == baseline; sampled output ~ the target's
 
 import pytest
 import torch
-
 from conftest import OracleDrafter, tiny_drafter, tiny_target
-from dflash_trt.config import SamplingParams
-from dflash_trt.errors import DFlashError
-from dflash_trt.decoding.draft_length import draft_lengths
-from dflash_trt.decoding.engine import SpecEngine
-from dflash_trt.decoding.loop import generate, generate_baseline
 from test_loop import PROMPTS, _exact_marginals
 from test_verify import chi2_pvalue
 
+from dflash_trt.config import SamplingParams
+from dflash_trt.decoding.draft_length import draft_lengths
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.errors import DFlashError
+
 
 def test_draft_lengths_by_hand():
-    conf = torch.tensor([[0.9, 0.5, 0.9],  # running product 0.9, 0.45, 0.405
-                         [0.05, 1.0, 1.0],  # 0.05 ...: nothing sure
-                         [1.0, 1.0, 1.0]])
+    conf = torch.tensor(
+        [
+            [0.9, 0.5, 0.9],  # running product 0.9, 0.45, 0.405
+            [0.05, 1.0, 1.0],  # 0.05 ...: nothing sure
+            [1.0, 1.0, 1.0],
+        ]
+    )
     assert draft_lengths(conf, 0.0).tolist() == [3, 3, 3]
     assert draft_lengths(conf, 0.4).tolist() == [3, 0, 3]
     assert draft_lengths(conf, 0.42).tolist() == [2, 0, 3]

@@ -5,16 +5,16 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_target
-from dflash_trt.config import DrafterConfig, SamplingParams
-from dflash_trt.modeling.drafter import DFlashDrafter
-from dflash_trt.errors import CheckpointError, ConfigError
-from dflash_trt.decoding.loop import generate, generate_baseline
-from dflash_trt.train.objective import dflash_loss, drafter_train_forward, make_blocks
-from dflash_trt.train.trainer import frequent_tokens
 from test_loop import _exact_marginals
 from test_verify import chi2_pvalue
+
+from dflash_trt.config import DrafterConfig, SamplingParams
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.train.objective import dflash_loss, drafter_train_forward, make_blocks
+from dflash_trt.train.trainer import frequent_tokens
 
 VOCAB = torch.tensor([3, 7, 10, 42, 99, 100, 200, 255])
 
@@ -80,8 +80,16 @@ def test_loss_is_cross_entropy_over_the_vocab():
     logits = t.lm_head(hidden)[:, VOCAB]
     labels = blocks.labels[0, 0]
     w = torch.exp(-torch.arange(3.0) / 7.0)
-    ce = torch.stack([F.cross_entropy(logits[k], (VOCAB == labels[k]).nonzero()[0, 0]) if labels[k] in VOCAB
-                      else torch.tensor(0.0) for k in range(3)])
+    ce = torch.stack(
+        [
+            (
+                F.cross_entropy(logits[k], (VOCAB == labels[k]).nonzero()[0, 0])
+                if labels[k] in VOCAB
+                else torch.tensor(0.0)
+            )
+            for k in range(3)
+        ]
+    )
     assert labels[1] == 5
     torch.testing.assert_close(out.loss, (ce * w).sum() / w.sum())
     assert out.accuracy[1] == 0
@@ -121,3 +129,22 @@ def test_frequent_tokens():
     seqs = [{"input_ids": [1, 2, 5, 5, 6], "prompt_len": 2}, {"input_ids": [9, 6, 5, 7], "prompt_len": 1}]
     assert frequent_tokens(seqs, 2).tolist() == [5, 6]
     assert frequent_tokens(seqs, 10).tolist() == [5, 6, 7]
+
+
+def test_logit_fields_apply_on_the_greedy_shortcut():
+    """output_multiplier / final_logit_softcapping shape the draft logits on the engine's greedy
+    draft-vocab shortcut (argmax over Vd columns) exactly as on the full-vocab path."""
+    from dflash_trt.decoding.engine import SpecEngine
+
+    t = tiny_target("qwen3")
+    d = _drafter(t)
+    d.config.output_multiplier, d.config.final_logit_softcapping = -1.0, 2.0  # -1 turns argmax into argmin
+    eng = SpecEngine(t, d, max_batch=2, max_seq_len=32, kernels="torch")
+    eng.add_requests([("a", [1, 2, 3], SamplingParams()), ("b", [4, 5], SamplingParams())])
+    block, q, _ = eng.propose()
+    masked = block.clone()
+    masked[:, 1:] = d.mask_token_id  # what was drafted from (propose writes its drafts into block)
+    full = d.draft_logits(masked, eng.dcache)  # [2, B-1, V]: -inf outside the vocabulary
+    assert q is None and torch.equal(block[:, 1:], full.argmax(-1))
+    plain = d.head_logits(d.draft_block(masked, eng.dcache)[:, 1:])  # [2, B-1, Vd] without the fields
+    assert not torch.equal(block[:, 1:], VOCAB[plain.argmax(-1)])

@@ -1,15 +1,16 @@
 """Drafter forward against a slow, explicit reference; cache crop; checkpoint format."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 from safetensors.torch import load_file
 
-from conftest import tiny_drafter, tiny_target
 from dflash_trt.config import DrafterConfig, default_target_layer_ids
-from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import CheckpointError, ConfigError, IncompatibleModelsError
+from dflash_trt.modeling.drafter import DFlashDrafter
 
 
 def _rms(x, w, eps):
@@ -21,7 +22,7 @@ def _rope(x, pos, theta):  # x [n, H, D], pos [n]
     inv = 1.0 / theta ** (torch.arange(0, D, 2).float() / D)
     ang = pos[:, None].float() * inv[None]
     cos, sin = ang.cos().repeat(1, 2)[:, None], ang.sin().repeat(1, 2)[:, None]
-    rot = torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1)
+    rot = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -47,13 +48,17 @@ def reference_draft(drafter, taps, block_ids, start):
         rep = H // Hk
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         mask = torch.ones(B, C + B, dtype=torch.bool)  # context/block mask: everything visible
-        scores = torch.einsum("qhd,khd->hqk", q, k) * D ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
         scores = scores.masked_fill(~mask, float("-inf"))
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(B, H * D)
         x = x + o @ a.o_proj.weight.T
         m = layer.mlp
         g = _rms(x, layer.post_attention_layernorm.weight, eps)
-        x = x + (torch.nn.functional.silu(g @ m["gate_proj"].weight.T) * (g @ m["up_proj"].weight.T)) @ m["down_proj"].weight.T
+        x = (
+            x
+            + (torch.nn.functional.silu(g @ m["gate_proj"].weight.T) * (g @ m["up_proj"].weight.T))
+            @ m["down_proj"].weight.T
+        )
     return _rms(x, drafter.norm.weight, eps)
 
 
@@ -105,12 +110,13 @@ def test_save_load_round_trip_exact(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
     assert cfg["dflash_config"]["target_layer_ids"] == d.target_layer_ids
     assert cfg["num_target_layers"] == 2
+    assert cfg["torch_dtype"] == "float32"  # what the tensors are, not the config's bfloat16 default
     weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     assert not any("embed" in k or "lm_head" in k for k in weights)  # shared with the target, not saved
     d2 = DFlashDrafter.from_pretrained(tmp_path / "drafter", target=t)
     for (k, a), (k2, b) in zip(d.state_dict().items(), d2.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
-    assert d2.config == d.config
+    assert d2.config == dataclasses.replace(d.config, dtype="float32")
 
 
 def test_loads_zlab_layout_with_unused_fields(tmp_path):
@@ -119,16 +125,29 @@ def test_loads_zlab_layout_with_unused_fields(tmp_path):
     d.save_pretrained(tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     # fields of the published z-lab configs this code does not use (and v5-style rope_parameters)
-    cfg.update({"auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "layer_types": ["full_attention"] * 2,
-                "use_sliding_window": False, "sliding_window": None, "bos_token_id": 1, "initializer_range": 0.02,
-                "rope_parameters": {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"}})
-    cfg["dflash_config"]["some_future_option"] = 3
+    cfg.update(
+        {
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "layer_types": ["full_attention"] * 2,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "bos_token_id": 1,
+            "initializer_range": 0.02,
+            "rope_parameters": {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"},
+        }
+    )
+    cfg["dflash_config"]["shift_label"] = False  # SpecForge's, harmless at its default
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     d2 = DFlashDrafter.from_pretrained(tmp_path / "d", target=t)
     assert d2.config.rope_theta == d.config.rope_theta
-    d2.save_pretrained(tmp_path / "d2")  # unknown fields survive a round trip
+    d2.save_pretrained(tmp_path / "d2")  # fields the reference ignores too survive a round trip
     cfg2 = json.loads((tmp_path / "d2" / "config.json").read_text())
-    assert cfg2["auto_map"] == cfg["auto_map"] and cfg2["dflash_config"]["some_future_option"] == 3
+    assert cfg2["auto_map"] == cfg["auto_map"] and cfg2["dflash_config"]["shift_label"] is False
+    # an unknown dflash_config key may change the math: refused with one line naming it
+    cfg["dflash_config"]["some_future_option"] = 3
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="dflash_config.some_future_option"):
+        DFlashDrafter.from_pretrained(tmp_path / "d", target=t)
 
 
 def test_default_target_layer_ids():

@@ -29,11 +29,11 @@ import dflash_trt.kernels.accept as accept_mod  # noqa: E402
 import dflash_trt.kernels.attention as attention_mod  # noqa: E402
 import dflash_trt.kernels.inject as inject_mod  # noqa: E402
 from dflash_trt.config import DrafterConfig, SamplingParams  # noqa: E402
-from dflash_trt.modeling import fast_path  # noqa: E402
-from dflash_trt.modeling.drafter import DFlashDrafter  # noqa: E402
-from dflash_trt.errors import DFlashError  # noqa: E402
 from dflash_trt.decoding.engine import SpecEngine  # noqa: E402
 from dflash_trt.decoding.loop import generate, generate_baseline  # noqa: E402
+from dflash_trt.errors import DFlashError  # noqa: E402
+from dflash_trt.modeling import fast_path  # noqa: E402
+from dflash_trt.modeling.drafter import DFlashDrafter  # noqa: E402
 
 
 def _restore_interpret():
@@ -45,8 +45,10 @@ def _restore_interpret():
 
 _restore_interpret()
 if not isinstance(inject_mod.kv_inject_kernel, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could take effect; run this file on its own",
-                allow_module_level=True)
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 could take effect; run this file on its own",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -102,8 +104,10 @@ def record_draft_logits(monkeypatch, drafter):
     return seen
 
 
-PROMPTS = {1: [[5, 17, 33, 2, 9, 41, 7]],
-           3: [[5, 17, 33, 2, 9, 41, 7], [100], [8, 8, 200, 31, 4, 66, 1, 90, 12, 3, 77]]}  # ragged
+PROMPTS = {
+    1: [[5, 17, 33, 2, 9, 41, 7]],
+    3: [[5, 17, 33, 2, 9, 41, 7], [100], [8, 8, 200, 31, 4, 66, 1, 90, 12, 3, 77]],
+}  # ragged
 
 
 @pytest.mark.parametrize("batch,block_size", [(1, 4), (3, 4), (3, 8)])
@@ -117,8 +121,11 @@ def test_decode_loop_on_kernels_equals_torch(target, monkeypatch, batch, block_s
     assert drafter.kernels == "torch"
     monkeypatch.undo()
 
-    spies = [Spy(monkeypatch, inject_mod, "kv_inject"), Spy(monkeypatch, attention_mod, "block_draft_attention"),
-             Spy(monkeypatch, accept_mod, "greedy_accept")]
+    spies = [
+        Spy(monkeypatch, inject_mod, "kv_inject"),
+        Spy(monkeypatch, attention_mod, "block_draft_attention"),
+        Spy(monkeypatch, accept_mod, "greedy_accept"),
+    ]
     seen_triton = record_draft_logits(monkeypatch, drafter)
     out = generate(target, drafter, prompts, params, kernels="triton")
     assert drafter.kernels == "triton"
@@ -195,8 +202,7 @@ def test_graph_replay_equals_eager(target, sampled):
     # the batch changes several times; how many of those recapture depends on whether the new cache
     # lands at the old addresses (same rows and storage: the graph stays valid), so no exact count
     assert eng.graphs.captures >= 2
-    one = generate(target, drafter, PROMPTS[1], params_of(9), kernels="triton", cuda_graph="on",
-                   _capture=eager_capture)
+    one = generate(target, drafter, PROMPTS[1], params_of(9), kernels="triton", cuda_graph="on", _capture=eager_capture)
     assert one.tokens == generate(target, drafter, PROMPTS[1], params_of(9), kernels="triton", cuda_graph="off").tokens
 
 
@@ -291,8 +297,23 @@ def test_cli_generate_kernels_option(tmp_path, monkeypatch):
     kernel_drafter(t, 4).save_pretrained(tmp_path / "drafter")
 
     def gen(kernels, *extra):
-        args = ["generate", "--target", target_dir, "--drafter", tmp_path / "drafter", "--prompt", "def add",
-                "--max-new-tokens", 8, "--json", "--dtype", "float32", "--kernels", kernels, *extra]
+        args = [
+            "generate",
+            "--target",
+            target_dir,
+            "--drafter",
+            tmp_path / "drafter",
+            "--prompt",
+            "def add",
+            "--max-new-tokens",
+            8,
+            "--json",
+            "--dtype",
+            "float32",
+            "--kernels",
+            kernels,
+            *extra,
+        ]
         return CliRunner().invoke(main, [str(a) for a in args])
 
     outs = {}
@@ -303,10 +324,12 @@ def test_cli_generate_kernels_option(tmp_path, monkeypatch):
     assert outs["triton"] == outs["torch"] and len(outs["torch"]) > 1
     r = gen("triton", "--cuda-graph", "on")  # interpreter on a CPU model: no CUDA graph to capture
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
-        "error: cuda_graph='on' needs the Triton kernels on a CUDA device")
+        "error: cuda_graph='on' needs the Triton kernels on a CUDA device"
+    )
     monkeypatch.delenv("TRITON_INTERPRET")
     r = gen("triton")
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
-        "error: kernels='triton': the model is on cpu; the kernels need a CUDA device")
+        "error: kernels='triton': the model is on cpu; the kernels need a CUDA device"
+    )
     r = gen("fast")
     assert r.exit_code == 2 and "'fast' is not one of 'auto', 'triton', 'torch'" in r.output

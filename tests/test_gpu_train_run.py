@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import tiny_model_dir
+from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_train_run.py"
 
@@ -36,7 +35,7 @@ def test_group_quantization_within_half_a_step(g, bits):
     step = scale.float().repeat_interleave(g.GROUP).reshape(w.shape)
     err = (back - w).abs()
     # half a quantization step, plus the bf16 rounding of the result
-    assert (err <= step / 2 + w.abs() * 2 ** -8 + 1e-6).all()
+    assert (err <= step / 2 + w.abs() * 2**-8 + 1e-6).all()
     assert torch.equal(back[3, :64], torch.zeros(64, dtype=torch.float32))
     assert (err.max() > 0) and (g.quantize(w, bits)[0] == codes)  # lossy but deterministic
 
@@ -47,7 +46,7 @@ def test_pack_unpack_round_trip(g, tmp_path):
     parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
     assert "side" in parts and len(parts) >= 3  # the tiny model is > 1 MiB: several parts
     for p in (tmp_path / "parts").glob("p*/blob"):
-        assert p.stat().st_size <= 0.05 * 2 ** 20
+        assert p.stat().st_size <= 0.05 * 2**20
     dest = g.unpack(tmp_path / "parts", tmp_path / "back", "cpu")
     a, b = load_file(str(next(src.glob("model*.safetensors")))), load_file(str(dest / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -69,20 +68,58 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch):
     src = tiny_model_dir(tmp_path / "m", family="qwen2")
     g.pack(src, tmp_path / "parts", 6, 0.05)
     for name in ("val_prompts.jsonl", "eval_prompts.jsonl"):
-        (tmp_path / name).write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n"
-                                             for i in range(4)))
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"def add{i}(a, b):"}) + "\n"
-                                                  for i in range(12)))
+        (tmp_path / name).write_text(
+            "".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(4))
+        )
+    (tmp_path / "train.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"def add{i}(a, b):"}) + "\n" for i in range(12))
+    )
     (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n\n" * 200)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["gpu_train_run.py", "run", "--parts", str(tmp_path / "parts"),
-                                      "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
-                                      "--budget", "60", "--answers-s", "1", "--gen-batch", "8", "--new-tokens", "24",
-                                      "--score-s", "0.5", "--score-chunk", "8", "--score-batch", "8",
-                                      "--train-batch", "4", "--reserve-s", "50", "--max-epochs", "1",
-                                      "--val-prompts", str(tmp_path / "val_prompts.jsonl"),
-                                      "--eval-prompts", str(tmp_path / "eval_prompts.jsonl"),
-                                      "--prompts", str(tmp_path / "train.jsonl"), "--text", str(tmp_path / "text.txt")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "gpu_train_run.py",
+            "run",
+            "--parts",
+            str(tmp_path / "parts"),
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--device",
+            "cpu",
+            "--budget",
+            "60",
+            "--answers-s",
+            "1",
+            "--gen-batch",
+            "8",
+            "--new-tokens",
+            "24",
+            "--score-s",
+            "0.5",
+            "--score-chunk",
+            "8",
+            "--score-batch",
+            "8",
+            "--train-batch",
+            "4",
+            "--reserve-s",
+            "50",
+            "--max-epochs",
+            "1",
+            "--val-prompts",
+            str(tmp_path / "val_prompts.jsonl"),
+            "--eval-prompts",
+            str(tmp_path / "eval_prompts.jsonl"),
+            "--prompts",
+            str(tmp_path / "train.jsonl"),
+            "--text",
+            str(tmp_path / "text.txt"),
+        ],
+    )
     g.main()
     log = (out / "run.log").read_text()
     assert "FAILED" not in log, log

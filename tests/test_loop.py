@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
 from conftest import OracleDrafter, tiny_drafter, tiny_target
+from test_verify import chi2_pvalue
+
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.engine import SpecEngine
 from dflash_trt.decoding.loop import generate, generate_baseline
-from test_verify import chi2_pvalue
 
 PROMPTS = {1: [[5, 17, 42, 99, 3, 250, 7]], 3: [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [200]]}
 

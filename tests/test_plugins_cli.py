@@ -41,8 +41,10 @@ def test_plugins_compile_bad_arch_is_one_error_line(tmp_path):
     res = run("plugins", "compile", "--arch", "sm_90,sm_75", "--out", out)
     assert res.exit_code == 2
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert lines == ["error: --arch 'sm_75': expected a comma-separated list of sm_90, sm_100, sm_120 "
-                     "(Hopper, Blackwell datacenter, Blackwell consumer)"]
+    assert lines == [
+        "error: --arch 'sm_75': expected a comma-separated list of sm_90, sm_100, sm_120 "
+        "(Hopper, Blackwell datacenter, Blackwell consumer)"
+    ]
     assert not out.exists()
 
 
@@ -50,7 +52,10 @@ def test_plugins_compile_only_and_list_errors(tmp_path):
     res = run("plugins", "compile", "--arch", "90,sm_100", "--only", "no_such_kernel", "--out", tmp_path / "x")
     assert res.exit_code == 2 and res.output.startswith("error: --only no_such_kernel: matches no kernel")
     res = run("plugins", "compile", "--arch", "sm_100a", "--only", "greedy", "--list")
-    assert res.exit_code == 0 and res.output.split() == ["greedy_accept_argmax", "greedy_accept_logits_fp32",
-                                                         "greedy_accept_logits_bf16"]
+    assert res.exit_code == 0 and res.output.split() == [
+        "greedy_accept_argmax",
+        "greedy_accept_logits_fp32",
+        "greedy_accept_logits_bf16",
+    ]
     res = run("plugins", "list", tmp_path)
     assert res.exit_code == 2 and "no manifest.json" in res.output

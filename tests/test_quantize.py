@@ -10,13 +10,24 @@ import pytest
 import torch
 
 from dflash_trt.deploy import formats as F
-from dflash_trt.deploy.quantize import (calibrate_act_amax, check_quant_target, dequantize_state_dict,
-                                       load_quantized_checkpoint, quantizable_modules, quantize_state_dict,
-                                       save_quantized_checkpoint)
+from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint
+from dflash_trt.deploy.quantize import (
+    calibrate_act_amax,
+    check_quant_target,
+    dequantize_state_dict,
+    quantizable_modules,
+    quantize_state_dict,
+)
 from dflash_trt.errors import ConfigError
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=256)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +87,10 @@ def test_fake_quant_fp8_matches_round_trip_and_saturates():
     fq = F.fake_quant_fp8(x, s)
     assert fq.dtype == x.dtype
     assert torch.equal(fq, F.fake_quant_fp8(fq, s))  # idempotent
-    assert torch.equal(fq.float(), F.fp8_dequantize(F.fp8_quantize(x.float().reshape(-1, 16), s), s).reshape(x.shape)
-                       .to(x.dtype).float())
+    assert torch.equal(
+        fq.float(),
+        F.fp8_dequantize(F.fp8_quantize(x.float().reshape(-1, 16), s), s).reshape(x.shape).to(x.dtype).float(),
+    )
     assert F.fake_quant_fp8(torch.tensor([1e6]), 1.0).item() == 448.0  # saturates, no NaN
 
 
@@ -113,7 +126,7 @@ def test_nvfp4_layout_and_error_bound():
 
 
 def test_nvfp4_format_values_are_exact():
-    gs = 2.0 ** -10  # tensor amax 6*448*gs -> weight_scale_2 exactly gs; block scales 448 and 4 exact
+    gs = 2.0**-10  # tensor amax 6*448*gs -> weight_scale_2 exactly gs; block scales 448 and 4 exact
     vals = torch.tensor(F.E2M1_VALUES)
     row = torch.cat([vals, -vals.flip(0)])  # 16 values incl. +-6: one block
     w = torch.stack([row * 448 * gs, row * 4 * gs])
@@ -132,9 +145,13 @@ def test_only_decoder_linears_and_drafter_fc_are_quantizable(tiny_qwen3):
     mods = quantizable_modules(tiny_qwen3.state_dict())
     assert len(mods) == 2 * 7 and "model.layers.1.mlp.down_proj" in mods
     assert not any(("norm" in m) or ("embed" in m) or ("lm_head" in m) for m in mods)
-    drafter = ["fc.weight", "hidden_norm.weight", "layers.0.self_attn.q_proj.weight",
-               "layers.0.self_attn.q_norm.weight",
-               "norm.weight"]
+    drafter = [
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.q_norm.weight",
+        "norm.weight",
+    ]
     assert quantizable_modules(drafter) == ["fc", "layers.0.self_attn.q_proj"]
 
 
@@ -167,8 +184,12 @@ def test_quantized_state_dict_layout(tiny_qwen3, amax, fmt):
             part = "self_attn" if group[0] == "q_proj" else "mlp"
             vals = {q[f"model.layers.1.{part}.{g}.{leaf}"].item() for g in group}
             assert len(vals) == 1
-    for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-              "model.layers.0.self_attn.q_norm.weight"):
+    for k in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    ):
         assert torch.equal(q[k], sd[k])
     deq = dequantize_state_dict(q, hq)
     assert set(deq) == set(sd)
@@ -253,5 +274,6 @@ def test_matches_modelopt_bit_for_bit():
         q8, s8 = FP8QTensor.quantize(w, axis=axis)
         ours = F.fp8_quantize(w, F.fp8_scale(w, per_channel))
         assert torch.equal(q8._quantized_data.view(torch.uint8)[nz], ours.view(torch.uint8)[nz])
-        assert torch.equal(s8.flatten()[nz] if per_channel else s8, F.fp8_scale(w, per_channel)[nz] if per_channel
-                           else F.fp8_scale(w))
+        assert torch.equal(
+            s8.flatten()[nz] if per_channel else s8, F.fp8_scale(w, per_channel)[nz] if per_channel else F.fp8_scale(w)
+        )

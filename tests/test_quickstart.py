@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import tiny_drafter, tiny_model_dir
+
 from dflash_trt import quickstart
 from dflash_trt.cli import main
 from dflash_trt.errors import ConfigError

@@ -17,15 +17,17 @@ def smollm2():
 
 
 def test_greedy_dflash_equals_baseline_on_real_model(smollm2):
-    from dflash_trt.modeling.drafter import DFlashDrafter
     from dflash_trt.api import encode, stop_ids
     from dflash_trt.decoding.loop import generate, generate_baseline
+    from dflash_trt.modeling.drafter import DFlashDrafter
 
     target, tok = smollm2
     torch.manual_seed(0)
     drafter = DFlashDrafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8)).bind(target)
-    prompts = [encode(tok, "Write a Python function that checks whether a number is prime.", chat=True),
-               encode(tok, "Name three uses of a hash map.", chat=True)]
+    prompts = [
+        encode(tok, "Write a Python function that checks whether a number is prime.", chat=True),
+        encode(tok, "Name three uses of a hash map.", chat=True),
+    ]
     params = SamplingParams(max_new_tokens=40, stop_token_ids=stop_ids(tok))
     ref = generate_baseline(target, prompts, params)
     out = generate(target, drafter, prompts, params)

@@ -19,29 +19,37 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installe
 from conftest import tiny_drafter, tiny_model_dir  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
+from dflash_trt.decoding.loop import generate_baseline  # noqa: E402
 from dflash_trt.modeling.target import TargetModel  # noqa: E402
 from dflash_trt.serving.client import DFlashClient, ServingError  # noqa: E402
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo  # noqa: E402
 from dflash_trt.serving.server import ServerError, TritonServer  # noqa: E402
 from dflash_trt.serving.text import TextCodec  # noqa: E402
-from dflash_trt.decoding.loop import generate_baseline  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a server start is ~15 s on 2 CPU cores
+pytestmark = [
+    pytest.mark.slow,  # a server start is ~15 s on 2 CPU cores
+    pytest.mark.usefixtures("one_torch_thread"),
+]  # conftest.py
 BLOCK = 4
 MAX_SEQ = 256
-PROMPTS = ["hello world", "The quick brown fox", "def add(a, b):", "héllo wörld ✓ 漢字", "Speculative decoding",
-           "a", "return a + b", "lazy dog jumps", "ünïcode", "The", "quick quick quick", "brown fox jumps over",
-           "verifies them.", "漢字 漢字", "drafts tokens", "over the lazy dog and the quick brown fox"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """In-process baselines with one intra-op thread: on a shared 2-core host, OpenMP barriers
-    over 2 threads run tiny models ~50x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+PROMPTS = [
+    "hello world",
+    "The quick brown fox",
+    "def add(a, b):",
+    "héllo wörld ✓ 漢字",
+    "Speculative decoding",
+    "a",
+    "return a + b",
+    "lazy dog jumps",
+    "ünïcode",
+    "The",
+    "quick quick quick",
+    "brown fox jumps over",
+    "verifies them.",
+    "漢字 漢字",
+    "drafts tokens",
+    "over the lazy dog and the quick brown fox",
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +64,19 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models):
     root, _, _ = models
-    repo = fill_model_repo(default_template_dir(), root / "repo",
-                           default_values(root / "target", root / "drafter", dtype="float32", max_batch=8,
-                                          max_seq_len=MAX_SEQ, unary_instance_count=1, cpu_threads=1))
+    repo = fill_model_repo(
+        default_template_dir(),
+        root / "repo",
+        default_values(
+            root / "target",
+            root / "drafter",
+            dtype="float32",
+            max_batch=8,
+            max_seq_len=MAX_SEQ,
+            unary_instance_count=1,
+            cpu_threads=1,
+        ),
+    )
     with TritonServer(repo, startup_timeout=300) as srv:
         pid = srv.proc.pid
         yield srv
@@ -174,18 +192,28 @@ def test_sixteen_concurrent_requests_each_get_their_own_output(models, client):
 def test_metrics_endpoint_counts_dflash_work(server, client):
     client.generate("hello world", max_tokens=10)
     m = metrics(server)
-    for name in ("dflash_requests_total", "dflash_draft_steps_total", "dflash_draft_tokens_total",
-                 "dflash_output_tokens_total"):
+    for name in (
+        "dflash_requests_total",
+        "dflash_draft_steps_total",
+        "dflash_draft_tokens_total",
+        "dflash_output_tokens_total",
+    ):
         assert m.get(name, 0) > 0, name
     assert "dflash_accepted_tokens_total" in m and "dflash_running_requests" in m
     assert any(k.startswith("dflash_acceptance_length") for k in m)
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(omit=["text_input"]), "text_input"), (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(prompt="x " * (MAX_SEQ + 10)), "text_input"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(omit=["text_input"]), "text_input"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(prompt="x " * (MAX_SEQ + 10)), "text_input"),
+    ],
+)
 def test_malformed_request_gets_an_error_and_the_next_succeeds(models, client, kw, field):
     kw = {"prompt": "hello world", "max_tokens": 8, **kw}
     with pytest.raises(ServingError, match=field):
@@ -231,9 +259,25 @@ def test_load_script_reports_percentiles(server):
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "load.py"
     for extra in ([], ["--stream"]):
-        r = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--requests", "6",
-                            "--concurrency", "3", "--max-tokens", "8", "--json", *extra],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--url",
+                server.grpc_url,
+                "--requests",
+                "6",
+                "--concurrency",
+                "3",
+                "--max-tokens",
+                "8",
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         rep = json.loads(r.stdout)
         assert rep["ok"] == 6 and rep["output_tokens"] == 48 and rep["latency_p99_s"] >= rep["latency_p50_s"] > 0
@@ -242,9 +286,11 @@ def test_load_script_reports_percentiles(server):
 
 def test_missing_drafter_fails_at_load_naming_the_file(models, tmp_path):
     root, _, _ = models
-    repo = fill_model_repo(default_template_dir(), tmp_path / "repo",
-                           default_values(root / "target", tmp_path / "no_drafter", dtype="float32",
-                                          unary_instance_count=1))
+    repo = fill_model_repo(
+        default_template_dir(),
+        tmp_path / "repo",
+        default_values(root / "target", tmp_path / "no_drafter", dtype="float32", unary_instance_count=1),
+    )
     with pytest.raises(ServerError, match=r"no_drafter/config\.json"):
         TritonServer(repo, startup_timeout=300).start()
 
@@ -289,8 +335,10 @@ def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path):
     (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
     (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    code = (f"from dflash_trt.serving.server import serve; import sys; "
-            f"sys.exit(serve({str(tmp_path / 'repo')!r}, {grpc_port}, {http_port}, {metrics_port}))")
+    code = (
+        f"from dflash_trt.serving.server import serve; import sys; "
+        f"sys.exit(serve({str(tmp_path / 'repo')!r}, {grpc_port}, {http_port}, {metrics_port}))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()

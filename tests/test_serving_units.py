@@ -12,8 +12,10 @@ import torch
 from conftest import tiny_drafter, tiny_model_dir, tiny_target, tiny_tokenizer
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.modeling.target import TargetModel
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate_baseline
 from dflash_trt.errors import DFlashError
+from dflash_trt.modeling.target import TargetModel
 from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
 from dflash_trt.serving.protocol import (
     RequestError,
@@ -26,18 +28,8 @@ from dflash_trt.serving.protocol import (
 )
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, placeholders
 from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, split_stop_sequences, text_delta
-from dflash_trt.decoding.engine import SpecEngine
-from dflash_trt.decoding.loop import generate_baseline
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """In-process baselines with one intra-op thread: on a shared 2-core host, OpenMP barriers
-    over 2 threads run tiny models ~50x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -102,23 +94,30 @@ def _getter(**vals):
     return arrays.get
 
 
-@pytest.mark.parametrize("vals, field", [
-    (dict(max_tokens=4), "text_input"), (dict(text_input="hi"), "max_tokens"),
-    (dict(text_input="hi", max_tokens=0), "max_tokens"),
-    (dict(text_input="hi", max_tokens=4, temperature=-1.0), "temperature"),
-    (dict(text_input="hi", max_tokens=4, top_p=0.0), "top_p"),
-    (dict(text_input="hi", max_tokens=4, top_p=1.5), "top_p"),
-    (dict(text_input="hi", max_tokens=4, top_k=-2), "top_k"),
-    (dict(text_input="hi", max_tokens=np.array([[4, 5]], np.int32)), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "vals, field",
+    [
+        (dict(max_tokens=4), "text_input"),
+        (dict(text_input="hi"), "max_tokens"),
+        (dict(text_input="hi", max_tokens=0), "max_tokens"),
+        (dict(text_input="hi", max_tokens=4, temperature=-1.0), "temperature"),
+        (dict(text_input="hi", max_tokens=4, top_p=0.0), "top_p"),
+        (dict(text_input="hi", max_tokens=4, top_p=1.5), "top_p"),
+        (dict(text_input="hi", max_tokens=4, top_k=-2), "top_k"),
+        (dict(text_input="hi", max_tokens=np.array([[4, 5]], np.int32)), "max_tokens"),
+    ],
+)
 def test_bad_request_names_the_field(vals, field):
     with pytest.raises(RequestError, match=f"^{field}"):
         parse_text_request(_getter(**vals))
 
 
 def test_token_request_roundtrip():
-    req = parse_token_request(_getter(input_ids=[3, 4, 5], max_tokens=7, stream=True, stop_sequences=[1, 2, -1, 9],
-                                      request_key="k", end_id=-1))
+    req = parse_token_request(
+        _getter(
+            input_ids=[3, 4, 5], max_tokens=7, stream=True, stop_sequences=[1, 2, -1, 9], request_key="k", end_id=-1
+        )
+    )
     assert req.prompt_ids == [3, 4, 5] and req.sampling.max_tokens == 7 and req.sampling.stream
     assert req.stop_sequences == [[1, 2], [9]] and req.request_key == "k"
     p = req.sampling.to_params()
@@ -154,7 +153,7 @@ class ListSink:
     def ids(self):
         out = []
         for p, _ in self.msgs:
-            out += p.output_ids[p.num_prev:]
+            out += p.output_ids[p.num_prev :]
         return out
 
 
@@ -209,8 +208,8 @@ def test_orchestrator_cancel_stop_sequence_and_engine_failure(pair):
             assert s.done.wait(60)
         assert gone.closed and len(gone.msgs) == 2
         assert keyed.msgs[-1][0].finish_reason == "cancelled" and keyed.msgs[-1][1]
-        first = next(i for i in range(1, len(ref)) if ref[i - 1:i + 1] == stop)
-        assert stopped.msgs[-1][0].output_ids == ref[:first + 1] and stopped.msgs[-1][0].finish_reason == "stop"
+        first = next(i for i in range(1, len(ref)) if ref[i - 1 : i + 1] == stop)
+        assert stopped.msgs[-1][0].output_ids == ref[: first + 1] and stopped.msgs[-1][0].finish_reason == "stop"
         assert ok.msgs[-1][0].output_ids == ref
         # an engine failure fails the running requests, then a fresh engine serves the next ones
         real_step = SpecEngine.step

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import tiny_hf
+
 from dflash_trt.modeling.target import TargetModel
 
 
@@ -25,17 +25,22 @@ def test_logits_and_taps_match_hf(fam):
     torch.testing.assert_close(taps[..., 64:], ref.hidden_states[1], atol=1e-5, rtol=1e-5)
 
 
-def test_last_layer_tap_is_before_final_norm():
+def test_taps_are_hf_hidden_states_last_after_final_norm():
+    """Tap i is transformers' hidden_states[i + 1], as the DFlash reference and vLLM read it: for the
+    last layer that is after the final norm (the decoder layer's own output would differ)."""
     hf = tiny_hf("qwen3")
     t = TargetModel(hf)
     ids = torch.randint(0, 256, (1, 6))
     captured = {}
-    h = hf.model.layers[1].register_forward_hook(lambda m, i, o: captured.setdefault("x", o[0] if isinstance(o, tuple) else o))
+    h = hf.model.layers[1].register_forward_hook(
+        lambda m, i, o: captured.setdefault("x", o[0] if isinstance(o, tuple) else o)
+    )
     with torch.no_grad():
-        hf(ids)
+        hs = hf(ids, output_hidden_states=True).hidden_states
     h.remove()
-    out = t.forward(ids, t.new_cache(1, 8), tap_layers=[1])
-    torch.testing.assert_close(out.taps, captured["x"], atol=1e-5, rtol=1e-5)
+    out = t.forward(ids, t.new_cache(1, 8), tap_layers=[1, 0])
+    torch.testing.assert_close(out.taps, torch.cat([hs[2], hs[1]], -1), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.taps[..., :64], captured["x"], atol=1e-3)  # pre-norm would be wrong
 
 
 def test_ragged_prefill_equals_single_rows():
@@ -51,7 +56,7 @@ def test_ragged_prefill_equals_single_rows():
         o1 = t.prefill([p], c1, tap_layers=[0, 1])
         torch.testing.assert_close(out.logits[r], o1.logits[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.taps[r, : len(p)], o1.taps[0], atol=1e-5, rtol=1e-5)
-        s1 = t.forward(nxt[r:r + 1], c1)
+        s1 = t.forward(nxt[r : r + 1], c1)
         torch.testing.assert_close(step.logits[r], s1.logits[0], atol=1e-5, rtol=1e-5)
 
 

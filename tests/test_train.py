@@ -5,20 +5,21 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_hf, tiny_target
+
 from dflash_trt.config import DrafterConfig, SamplingParams
-from dflash_trt.modeling.drafter import DFlashDrafter
-from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.train.data import load_prompts, read_sequences
 from dflash_trt.train.trainer import TrainConfig, train
 
 
 def _corpus(t, n, seed, V, max_new=48):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
+    prompts = [
+        torch.randint(0, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
     outs = generate_baseline(t, prompts, SamplingParams(max_new_tokens=max_new, ignore_eos=True)).tokens
     return prompts, outs
 
@@ -53,8 +54,9 @@ def test_resume_refuses_another_shape_and_flags_changed_data(tmp_path, capsys):
     t = tiny_target("qwen3")
     prompts, outs = _corpus(t, 8, 0, 256, max_new=20)
     data = _write(tmp_path / "data", prompts, outs)
-    base = dict(data=str(data), batch_size=4, epochs=2, bf16=False, anchors_per_seq=4, save_every=1,
-                out=str(tmp_path / "o"))
+    base = dict(
+        data=str(data), batch_size=4, epochs=2, bf16=False, anchors_per_seq=4, save_every=1, out=str(tmp_path / "o")
+    )
     train(TrainConfig(block_size=4, max_steps=1, **base), target=t, progress=False)
     with pytest.raises(ConfigError, match="block_size: checkpoint 4 vs now 6.*new --out"):
         train(TrainConfig(block_size=6, **base), target=t, progress=False)
@@ -80,8 +82,19 @@ def test_validation_metrics_logged_and_improving(tmp_path):
     data = _write(tmp_path / "data", prompts[:128], outs[:128])
     val = _write(tmp_path / "val", prompts[128:], outs[128:])
     mark_validation(val, "test")
-    cfg = TrainConfig(data=str(data), val_data=str(val), out=str(tmp_path / "o"), num_layers=1, block_size=4,
-                      batch_size=8, epochs=4, lr=3e-3, anchors_per_seq=8, save_every=16, log_every=4)
+    cfg = TrainConfig(
+        data=str(data),
+        val_data=str(val),
+        out=str(tmp_path / "o"),
+        num_layers=1,
+        block_size=4,
+        batch_size=8,
+        epochs=4,
+        lr=3e-3,
+        anchors_per_seq=8,
+        save_every=16,
+        log_every=4,
+    )
     train(cfg, target=t, progress=False)
     rows = [json.loads(ln) for ln in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in rows if "val_loss" in r]
@@ -97,7 +110,9 @@ def test_validation_metrics_logged_and_improving(tmp_path):
 def test_offline_features_equal_online(tmp_path, kd_weight):
     t = tiny_target("llama")
     data = _write(tmp_path / "data", *_corpus(t, 8, 1, 256, max_new=20))
-    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4, kd_weight=kd_weight)
+    base = dict(
+        data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4, kd_weight=kd_weight
+    )
     on = train(TrainConfig(out=str(tmp_path / "on"), **base), target=t, progress=False)
     off = train(TrainConfig(out=str(tmp_path / "off"), features="offline", **base), target=t, progress=False)
     won, woff = _weights(on), _weights(off)
@@ -105,7 +120,9 @@ def test_offline_features_equal_online(tmp_path, kd_weight):
     # size (fc's saved weight is the trained one divided by the taps' RMS, ~0.03 on this tiny target)
     assert all(torch.allclose(won[k], woff[k], atol=2e-2 * max(1.0, won[k].abs().max().item())) for k in won)
     assert (tmp_path / "off" / "features" / "complete").is_file()
-    taps = len(DrafterConfig.for_target(t.config, block_size=4).target_layer_ids) + (kd_weight > 0)  # + the teacher layer
+    taps = len(DrafterConfig.for_target(t.config, block_size=4).target_layer_ids) + (
+        kd_weight > 0
+    )  # + the teacher layer
     rows = sum(len(s["input_ids"]) for s in read_sequences(data))
     assert (tmp_path / "off" / "features" / "features.bin").stat().st_size == rows * taps * t.config.hidden_size * 2
 
@@ -129,8 +146,18 @@ def test_training_improves_tau_threefold(tmp_path, kd_weight):
     torch.manual_seed(0)
     untrained = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=1, block_size=B)).bind(t)
     tau0 = generate(t, untrained, held, params).stats.tau
-    cfg = TrainConfig(data=str(data), out=str(tmp_path / "out"), num_layers=1, block_size=B, batch_size=8,
-                      epochs=6, lr=3e-3, bf16=False, anchors_per_seq=16, kd_weight=kd_weight)
+    cfg = TrainConfig(
+        data=str(data),
+        out=str(tmp_path / "out"),
+        num_layers=1,
+        block_size=B,
+        batch_size=8,
+        epochs=6,
+        lr=3e-3,
+        bf16=False,
+        anchors_per_seq=16,
+        kd_weight=kd_weight,
+    )
     trained = DFlashDrafter.from_pretrained(train(cfg, target=t, progress=False), target=t)
     res = generate(t, trained, held, params)
     assert res.tokens == generate_baseline(t, held, params).tokens  # still lossless
@@ -160,8 +187,11 @@ def test_bad_inputs_have_clear_errors(tmp_path):
         train(TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, bf16=False), target=t, progress=False)
     data = _write(tmp_path / "ok", *_corpus(t, 4, 0, 256, max_new=12))
     with pytest.raises(ConfigError, match="target_layer_ids"):
-        train(TrainConfig(data=str(data), out=str(tmp_path / "o2"), block_size=4, target_layer_ids=[0, 7]),
-              target=t, progress=False)
+        train(
+            TrainConfig(data=str(data), out=str(tmp_path / "o2"), block_size=4, target_layer_ids=[0, 7]),
+            target=t,
+            progress=False,
+        )
 
 
 def test_train_cli_with_yaml(tmp_path):
@@ -173,10 +203,13 @@ def test_train_cli_with_yaml(tmp_path):
     hf.save_pretrained(tmp_path / "target")
     t = tiny_target("qwen3")
     data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=16))
-    (tmp_path / "train.yaml").write_text(f"target: {tmp_path / 'target'}\ndata: {data}\nblock_size: 4\n"
-                                         f"batch_size: 4\nbf16: false\n")
-    r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "train.yaml"), "--out", str(tmp_path / "o"),
-                                  "--anchors-per-seq", "2"])
+    (tmp_path / "train.yaml").write_text(
+        f"target: {tmp_path / 'target'}\ndata: {data}\nblock_size: 4\n" f"batch_size: 4\nbf16: false\n"
+    )
+    r = CliRunner().invoke(
+        main,
+        ["train", "--config", str(tmp_path / "train.yaml"), "--out", str(tmp_path / "o"), "--anchors-per-seq", "2"],
+    )
     assert r.exit_code == 0, r.output
     d = DFlashDrafter.from_pretrained(tmp_path / "o" / "drafter")
     assert d.config.block_size == 4
@@ -190,7 +223,9 @@ def test_benchmark_prompts_refused_as_training_data(tmp_path):
 
     from dflash_trt.cli import main
 
-    r = CliRunner().invoke(main, ["data", "generate", "--target", "x", "--prompts", "humaneval", "--out", str(tmp_path)])
+    r = CliRunner().invoke(
+        main, ["data", "generate", "--target", "x", "--prompts", "humaneval", "--out", str(tmp_path)]
+    )
     assert r.exit_code == 2 and "held out from training" in r.output
     assert not any(tmp_path.iterdir())
 
@@ -207,16 +242,20 @@ def test_train_cli_help_comes_from_field_comments():
 def test_draft_vocab_training_saves_vocab(tmp_path):
     t = tiny_target("qwen3")
     data = _write(tmp_path / "d", *_corpus(t, 8, 0, 256, max_new=16))
-    out = train(TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, draft_vocab=20, max_steps=3,
-                            batch_size=4), target=t, progress=False)
+    out = train(
+        TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, draft_vocab=20, max_steps=3, batch_size=4),
+        target=t,
+        progress=False,
+    )
     d = DFlashDrafter.from_pretrained(out)
     seqs = read_sequences(data)
     assert d.config.draft_vocab_size == len(d.draft_vocab) <= 20
-    assert set(d.draft_vocab.tolist()) <= {x for s in seqs for x in s["input_ids"][s["prompt_len"]:]}
+    assert set(d.draft_vocab.tolist()) <= {x for s in seqs for x in s["input_ids"][s["prompt_len"] :]}
 
 
 def test_offline_features_recomputed_when_data_changes(tmp_path):
-    from dflash_trt.train.trainer import FeatureStore, target_taps
+    from dflash_trt.train.features import target_taps
+    from dflash_trt.train.trainer import FeatureStore
 
     t = tiny_target("llama")
     a, b = [[1, 2, 3, 4, 5], [6, 7, 8]], [[9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -260,12 +299,20 @@ def test_offline_features_extended_when_data_grows(tmp_path, capsys):
 
 def test_generate_data_extends_a_short_last_shard(tmp_path):
     from conftest import tiny_tokenizer
+
     from dflash_trt.train.data import generate_data
 
     tok = tiny_tokenizer()
     t = tiny_target("qwen3", vocab_size=len(tok))
-    prompts = ["def add(a, b):", "The quick brown fox", "return a + b", "lazy dog", "def sub(a, b):",
-               "jumps over", "print(x)"]
+    prompts = [
+        "def add(a, b):",
+        "The quick brown fox",
+        "return a + b",
+        "lazy dog",
+        "def sub(a, b):",
+        "jumps over",
+        "print(x)",
+    ]
     kw = dict(max_new_tokens=6, batch_size=2, shard_size=4, progress=False)
     generate_data(t, tok, prompts[:5], tmp_path / "grown", **kw)  # shard 1 holds one prompt
     first = (tmp_path / "grown" / "data-00001.jsonl").read_text()
@@ -303,7 +350,7 @@ def test_tap_scaling_trains_on_scaled_taps_and_saves_a_plain_fc(tmp_path):
     # position 0 (attention sink) is left out of the scale; tiny dims are floored, not amplified
     a = torch.tensor([[1000.0, 0.0, 1.0], [3.0, 1e-9, 2.0], [4.0, 1e-9, 2.0]])
     s = tap_scale([a, torch.tensor([[5.0, 5.0, 5.0]])])  # a one-token sequence adds nothing
-    assert torch.allclose(s[[0, 2]], torch.tensor([12.5 ** 0.5, 2.0]))
+    assert torch.allclose(s[[0, 2]], torch.tensor([12.5**0.5, 2.0]))
     assert s[1].item() == pytest.approx(FLOOR * 2.0)
     t = tiny_target("qwen3")
     cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
@@ -332,8 +379,9 @@ def test_tap_scaling_trains_on_scaled_taps_and_saves_a_plain_fc(tmp_path):
     # in training: the checkpoint keeps the exact trained parameter and the scale; switching the
     # setting on resume is refused with the field named
     data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=20))
-    base = dict(data=str(data), block_size=4, batch_size=4, epochs=2, anchors_per_seq=4, save_every=1,
-                out=str(tmp_path / "o"))
+    base = dict(
+        data=str(data), block_size=4, batch_size=4, epochs=2, anchors_per_seq=4, save_every=1, out=str(tmp_path / "o")
+    )
     out = train(TrainConfig(max_steps=2, **base), target=t, progress=False)
     state = torch.load(tmp_path / "o" / "checkpoint" / "trainer_state.pt", weights_only=False)
     saved = DFlashDrafter.from_pretrained(out).state_dict()["fc.weight"]
@@ -342,22 +390,31 @@ def test_tap_scaling_trains_on_scaled_taps_and_saves_a_plain_fc(tmp_path):
         train(TrainConfig(tap_scaling=False, **base), target=t, progress=False)
 
 
-
 def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, monkeypatch):
     from click.testing import CliRunner
-
     from conftest import tiny_drafter, tiny_model_dir
+
+    from dflash_trt.api import encode, load_tokenizer
     from dflash_trt.cli import main
     from dflash_trt.modeling.target import TargetModel
-    from dflash_trt.api import encode, load_tokenizer
 
     tdir = tiny_model_dir(tmp_path / "t")
     t = TargetModel.from_pretrained(tdir, dtype=torch.float32)
     tiny_drafter(t, block_size=6, num_layers=1, scale=3.0).save_pretrained(tmp_path / "d")
     prompts = ["def add(a, b):", "The quick brown fox"]
     (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
-    args = ["eval", "--target", str(tdir), "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p.txt"),
-            "--max-new-tokens", "12", "--no-chat"]
+    args = [
+        "eval",
+        "--target",
+        str(tdir),
+        "--drafter",
+        str(tmp_path / "d"),
+        "--prompts",
+        str(tmp_path / "p.txt"),
+        "--max-new-tokens",
+        "12",
+        "--no-chat",
+    ]
     r = CliRunner().invoke(main, args + ["--block-size", "2,6", "--json-out", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "e.json").read_text())
@@ -375,8 +432,9 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     r = CliRunner().invoke(main, args + ["--block-size", "8"])
     assert r.exit_code != 0 and "choose 2..6" in r.output
     # block sizes x draft cutoffs; an untrained drafter is never 0.9 sure: those rows verify no draft
-    r = CliRunner().invoke(main, args + ["--block-size", "2,6", "--draft-cutoff", "0,0.9", "--json-out",
-                                         str(tmp_path / "c.json")])
+    r = CliRunner().invoke(
+        main, args + ["--block-size", "2,6", "--draft-cutoff", "0,0.9", "--json-out", str(tmp_path / "c.json")]
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "c.json").read_text())["sweep"]
     assert [(x["block_size"], x["draft_cutoff"]) for x in rows] == [(2, 0.0), (2, 0.9), (6, 0.0), (6, 0.9)]
@@ -386,6 +444,7 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     # timed on a busy machine: the JSON says how busy and the table is followed by a warning
     assert 0.0 <= res["other_cpu_share"] <= 1.0
     from dflash_trt import contention
+
     snaps = iter([(0.0, 0.0, 0.0), (1e6, 0.0, 1.0)])  # others used every CPU the whole time
     monkeypatch.setattr(contention, "_snapshot", lambda: next(snaps))
     r = CliRunner().invoke(main, args + ["--json-out", str(tmp_path / "busy.json")])
@@ -394,22 +453,27 @@ def test_eval_cli_sweeps_block_sizes_and_refuses_larger_than_trained(tmp_path, m
     r = CliRunner().invoke(main, args + ["--block-size", "4,x"])
     assert r.exit_code == 2 and "--block-size" in r.output
     # a DFlash output that differs from the baseline: a bug in fp32, a counted rounding effect in bf16
-    import dflash_trt.decoding.loop as loop
+    import dflash_trt.train.evaluate as evaluate_mod  # where the eval command looks `generate` up
 
     monkeypatch.undo()  # the busy-machine snapshots above
-    real = loop.generate
+    real = evaluate_mod.generate
 
     def off_by_one(*a, **k):
         res = real(*a, **k)
         res.tokens[0][-1] += 1
         return res
 
-    monkeypatch.setattr(loop, "generate", off_by_one)
+    monkeypatch.setattr(evaluate_mod, "generate", off_by_one)
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and "this is a bug" in r.output
     r = CliRunner().invoke(main, args + ["--dtype", "bfloat16", "--json-out", str(tmp_path / "bf.json")])
     said = " ".join(r.output.split())  # rich wraps lines
-    assert r.exit_code == 0 and "2 DFlash run(s) differ" in said and "in bfloat16, a verify block rounds differently" in said and "--dtype float32 checks exactness" in said, said
+    assert (
+        r.exit_code == 0
+        and "2 DFlash run(s) differ" in said
+        and "in bfloat16, a verify block rounds differently" in said
+        and "--dtype float32 checks exactness" in said
+    ), said
     bf = json.loads((tmp_path / "bf.json").read_text())
     assert bf["mismatches"] == 2 and bf["dtype"] == "bfloat16" and res["mismatches"] == 0
 
@@ -419,13 +483,13 @@ def test_soft_label_features_serve_a_hard_label_run(tmp_path):
     exactly as on its own taps-only features."""
     t = tiny_target("qwen3")
     data = _write(tmp_path / "data", *_corpus(t, 8, 2, 256, max_new=20))
-    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4,
-                features="offline")
+    base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4, features="offline")
     train(TrainConfig(out=str(tmp_path / "kd"), kd_weight=0.5, **base), target=t, progress=False)
     shared = tmp_path / "kd" / "features" / "features.bin"
     stamp = shared.stat().st_mtime_ns
-    reused = train(TrainConfig(out=str(tmp_path / "a"), features_dir=str(shared.parent), **base), target=t,
-                   progress=False)
+    reused = train(
+        TrainConfig(out=str(tmp_path / "a"), features_dir=str(shared.parent), **base), target=t, progress=False
+    )
     own = train(TrainConfig(out=str(tmp_path / "b"), **base), target=t, progress=False)
     assert shared.stat().st_mtime_ns == stamp
     assert (tmp_path / "b" / "features" / "features.bin").stat().st_size < shared.stat().st_size

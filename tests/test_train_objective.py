@@ -2,12 +2,20 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_drafter, tiny_target
-from dflash_trt.train.objective import (block_mask, default_gamma, dflash_loss, drafter_train_forward,
-                                        make_blocks, position_weights, sample_anchors)
+
+from dflash_trt.train.objective import (
+    block_mask,
+    default_gamma,
+    dflash_loss,
+    drafter_train_forward,
+    make_blocks,
+    position_weights,
+    sample_anchors,
+)
 
 
 def _setup(B=4):
@@ -20,8 +28,19 @@ def _setup(B=4):
     return t, d, ids, taps
 
 
-def test_each_block_equals_separate_inference_forward():
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"is_causal": True, "input_embedding_scale": 1.5},
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2},  # causal window
+        {"is_causal": False, "layer_types": ["sliding_attention"] * 2, "sliding_window": 3},  # both sides
+    ],
+)
+def test_each_block_equals_separate_inference_forward(fields):
     t, d, ids, taps = _setup(B=4)
+    for k, v in fields.items():  # z-lab attention / embedding fields: training masks as inference does
+        setattr(d.config, k, v)
     anchors, valid = sample_anchors([20, 15], [3, 5], num=5, block_size=4, generator=torch.Generator().manual_seed(1))
     assert valid.all() and (anchors[1] <= 11).all() and (anchors >= 3).all()
     blocks = make_blocks(ids, anchors, valid, 4, d.mask_token_id)
@@ -30,10 +49,10 @@ def test_each_block_equals_separate_inference_forward():
         for j in range(5):
             a = int(anchors[r, j])
             cache = d.new_cache(1, 32)
-            d.inject_context(taps[r:r + 1, :a], torch.tensor([a]), cache)
+            d.inject_context(taps[r : r + 1, :a], torch.tensor([a]), cache)
             ref = d.draft_block(blocks.block_ids[r, j][None], cache)[0]
             torch.testing.assert_close(hidden[r, j], ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(blocks.labels[0, 0], ids[0, anchors[0, 0] + 1: anchors[0, 0] + 4])
+    assert torch.equal(blocks.labels[0, 0], ids[0, anchors[0, 0] + 1 : anchors[0, 0] + 4])
 
 
 def test_mask_shape_and_isolation():
@@ -53,8 +72,10 @@ def test_weighted_loss_by_hand():
     total, n = 0.0, 0
     for r, j in [(0, 0), (0, 1), (1, 0)]:
         logits = t.lm_head(hidden[r, j, 1:])
-        num = sum(math.exp(-(k - 1) / 7.0) * F.cross_entropy(logits[k - 1], blocks.labels[r, j, k - 1]).item()
-                  for k in range(1, 4))
+        num = sum(
+            math.exp(-(k - 1) / 7.0) * F.cross_entropy(logits[k - 1], blocks.labels[r, j, k - 1]).item()
+            for k in range(1, 4)
+        )
         total += num / sum(math.exp(-(k - 1) / 7.0) for k in range(1, 4))
         n += 1
     assert math.isclose(out.loss.item(), total / n, rel_tol=1e-5)
@@ -67,8 +88,9 @@ def test_gamma_table():
 
 
 def test_soft_labels_are_the_targets_distribution_at_the_previous_position():
-    from dflash_trt.train.distill import feature_layers, soft_labels, split_features
     from test_draft_vocab import _drafter as _draft_vocab_drafter
+
+    from dflash_trt.train.distill import feature_layers, soft_labels, split_features
 
     t, d, ids, _ = _setup(B=4)
     L = t.config.num_hidden_layers
@@ -89,8 +111,7 @@ def test_soft_labels_are_the_targets_distribution_at_the_previous_position():
     with torch.no_grad():
         greedy = full.argmax(-1)
     # the teacher's argmax at position k is the target's greedy token after x_{..a+k-1}
-    assert torch.equal(soft_labels(d, teacher, blocks.positions).argmax(-1)[0, 0],
-                       greedy[0, 4:7])
+    assert torch.equal(soft_labels(d, teacher, blocks.positions).argmax(-1)[0, 0], greedy[0, 4:7])
 
 
 def test_soft_label_loss_by_hand():

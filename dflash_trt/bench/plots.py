@@ -13,6 +13,7 @@ from pathlib import Path
 
 def _pyplot():
     try:
+        # deferred: optional dependency (the `bench` extra)
         import matplotlib
     except ImportError:
         return None
@@ -30,8 +31,9 @@ def _speedup(plt, rows: list[dict], path: Path, key: str) -> Path | None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(datasets) * max(1, len(methods)) / 3, 4))
     width = 0.8 / max(1, len(methods))
     for j, m in enumerate(methods):
-        vals = [next((r.get(key) or 0.0 for r in rows if r["dataset"] == d and r["method"] == m), 0.0)
-                for d in datasets]
+        vals = [
+            next((r.get(key) or 0.0 for r in rows if r["dataset"] == d and r["method"] == m), 0.0) for d in datasets
+        ]
         bars = ax.bar([i + j * width for i in range(len(datasets))], vals, width, label=m)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -53,8 +55,12 @@ def _accept_hist(plt, rows: list[dict], path: Path) -> Path | None:
     for j, r in enumerate(spec):
         h = r["accept_hist"]
         ks = list(range(1, len(h)))
-        ax.bar([k + j * width for k in ks], [h[k] / r["decode_steps"] for k in ks], width,
-               label=f"{r['method']} / {r['dataset']} (tau {r['tau']:.2f})")
+        ax.bar(
+            [k + j * width for k in ks],
+            [h[k] / r["decode_steps"] for k in ks],
+            width,
+            label=f"{r['method']} / {r['dataset']} (tau {r['tau']:.2f})",
+        )
     ax.set_xlabel("tokens emitted per target decode pass (accepted drafts + bonus)")
     ax.set_ylabel("fraction of decode passes")
     ax.legend(fontsize=7)
@@ -82,9 +88,11 @@ def _per_position(plt, rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-_SWEEP_AXES = {"block_size": ("block_size", "block size", "speedup_vs_baseline", "tau"),
-               "prompt_length": ("mean_prompt_tokens", "prompt tokens", "speedup_vs_baseline", "tau"),
-               "concurrency": ("concurrency", "concurrent streams", "throughput_tokens_per_s", "tau")}
+_SWEEP_AXES = {
+    "block_size": ("block_size", "block size", "speedup_vs_baseline", "tau"),
+    "prompt_length": ("mean_prompt_tokens", "prompt tokens", "speedup_vs_baseline", "tau"),
+    "concurrency": ("concurrency", "concurrent streams", "throughput_tokens_per_s", "tau"),
+}
 
 
 def _sweep(plt, name: str, rows: list[dict], path: Path) -> Path | None:
@@ -114,10 +122,12 @@ def make_plots(rep: dict, out: Path, say=print) -> dict[str, Path]:
         say("plots skipped: matplotlib is not installed (pip install 'dflash-trt[bench]')")
         return {}
     rows = rep["rows"]
-    made = {"speedup_plot": _speedup(plt, rows, out / "speedup.png", "speedup_vs_hf")
-            or _speedup(plt, rows, out / "speedup.png", "speedup_vs_baseline"),
-            "acceptance_hist_plot": _accept_hist(plt, rows, out / "acceptance_hist.png"),
-            "per_position_plot": _per_position(plt, rows, out / "per_position.png")}
+    made = {
+        "speedup_plot": _speedup(plt, rows, out / "speedup.png", "speedup_vs_hf")
+        or _speedup(plt, rows, out / "speedup.png", "speedup_vs_baseline"),
+        "acceptance_hist_plot": _accept_hist(plt, rows, out / "acceptance_hist.png"),
+        "per_position_plot": _per_position(plt, rows, out / "per_position.png"),
+    }
     for name, sweep in (rep.get("sweeps") or {}).items():
         made[f"scaling_{name}_plot"] = _sweep(plt, name, sweep.get("rows") or [], out / f"scaling_{name}.png")
     return {k: v for k, v in made.items() if v is not None}

@@ -28,23 +28,28 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.bench.plots import make_plots
+from dflash_trt.decoding.stats import DecodeStats
+
 
 def summarize(runs) -> dict:
     dec_tokens = sum(max(0, r.num_output_tokens - 1) for r in runs)
     dec_time = sum(max(0.0, r.wall - r.ttft) for r in runs)
     width = max((len(r.accept_hist) for r in runs), default=0)
     hist = [sum(r.accept_hist[k] for r in runs if k < len(r.accept_hist)) for k in range(width)]
-    steps = sum(hist)
-    draft, verify = sum(r.draft_time for r in runs), sum(r.verify_time for r in runs)
     judged = [r.drafts_verified for r in runs if getattr(r, "drafts_verified", None) is not None]
+    st = DecodeStats.from_hist(hist, sum(judged))  # tau and per-position acceptance: decoding/stats.py
+    steps = st.num_verify_steps
+    draft, verify = sum(r.draft_time for r in runs), sum(r.verify_time for r in runs)
     return {
-        "prompts": len(runs), "output_tokens": sum(r.num_output_tokens for r in runs),
+        "prompts": len(runs),
+        "output_tokens": sum(r.num_output_tokens for r in runs),
         "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else 0.0,
         "ttft_ms": 1e3 * sum(r.ttft for r in runs) / max(1, len(runs)),
-        "tau": sum(k * h for k, h in enumerate(hist)) / steps if steps else None,
+        "tau": st.tau if steps else None,
         "accept_hist": hist,
-        "drafts_per_step": sum(judged) / steps if judged and steps else None,
-        "per_position_acceptance": [sum(hist[i + 1:]) / steps for i in range(1, width - 1)] if steps else [],
+        "drafts_per_step": st.drafts_per_step if judged and steps else None,
+        "per_position_acceptance": st.per_position_acceptance,
         "decode_steps": steps,
         "draft_ms_per_step": 1e3 * draft / steps if steps else None,
         "verify_ms_per_step": 1e3 * verify / steps if steps else None,
@@ -61,8 +66,7 @@ def aggregate(records: list[dict], methods: list[str]) -> list[dict]:
         by = {m: [r for r in recs if r["method"] == m] for m in methods}
         stats = {m: summarize([r["run"] for r in rs]) for m, rs in by.items() if rs}
         for m, s in stats.items():
-            row = {"dataset": ds, "method": m, **s,
-                   "mismatches": sum(1 for r in by[m] if r.get("mismatch"))}
+            row = {"dataset": ds, "method": m, **s, "mismatches": sum(1 for r in by[m] if r.get("mismatch"))}
             for ref in ("hf", "baseline"):
                 base = stats.get(ref, {}).get("decode_tokens_per_s")
                 row[f"speedup_vs_{ref}"] = s["decode_tokens_per_s"] / base if base else None
@@ -87,14 +91,17 @@ def sample_divergence(ctx, records: list[dict], reference: str | None) -> dict:
     freq: dict[str, Counter] = {}
     for r in records:
         run, item = r["run"], r["item"]
-        toks = run.tokens if run.tokens is not None else \
-            ctx.tokenizer(run.text or "", add_special_tokens=False)["input_ids"]
+        toks = (
+            run.tokens
+            if run.tokens is not None
+            else ctx.tokenizer(run.text or "", add_special_tokens=False)["input_ids"]
+        )
         freq.setdefault(r["method"], Counter()).update(toks)
         if not toks:
             continue
         ids = torch.tensor([item.ids + toks], device=ctx.device)
         with torch.no_grad():
-            logits = ctx.target.hf(input_ids=ids).logits[0, len(item.ids) - 1:-1].float() / T
+            logits = ctx.target.hf(input_ids=ids).logits[0, len(item.ids) - 1 : -1].float() / T
         got = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks, device=ctx.device)[:, None])
         lp.setdefault(r["method"], []).extend(got.squeeze(-1).tolist())
     out = {}
@@ -102,14 +109,18 @@ def sample_divergence(ctx, records: list[dict], reference: str | None) -> dict:
         vals = lp.get(m, [])
         mean = sum(vals) / len(vals) if vals else None
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / max(1, len(vals) - 1)) if vals else None
-        out[m] = {"tokens": len(vals), "mean_logprob": mean,
-                  "stderr": sd / math.sqrt(len(vals)) if vals else None,
-                  "js_divergence_vs_reference": js_divergence(f, freq[reference]) if reference in freq else None}
+        out[m] = {
+            "tokens": len(vals),
+            "mean_logprob": mean,
+            "stderr": sd / math.sqrt(len(vals)) if vals else None,
+            "js_divergence_vs_reference": js_divergence(f, freq[reference]) if reference in freq else None,
+        }
     ref = out.get(reference)
     for s in out.values():  # difference of mean log-probs in standard errors (|z| > 3: suspicious)
         se = math.hypot(s["stderr"] or 0.0, ref["stderr"] or 0.0) if ref and ref["mean_logprob"] is not None else 0
-        s["z_vs_reference"] = (s["mean_logprob"] - ref["mean_logprob"]) / se if se and s["mean_logprob"] is not None \
-            else None
+        s["z_vs_reference"] = (
+            (s["mean_logprob"] - ref["mean_logprob"]) / se if se and s["mean_logprob"] is not None else None
+        )
     return out
 
 
@@ -124,37 +135,73 @@ def js_divergence(a: Counter, b: Counter) -> float:
     return js
 
 
-def build_report(cfg, ctx, records, methods, skipped, reference, mismatches, sampling, sweeps,
-                 lossless: set[str] | None = None) -> dict:
+def build_report(
+    cfg, ctx, records, methods, skipped, reference, mismatches, sampling, sweeps, lossless: set[str] | None = None
+) -> dict:
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     import transformers
 
     greedy = cfg.temperature == 0
     rows = aggregate(records, methods)
     for row in rows:
         checked = greedy and reference and (lossless is None or row["method"] in lossless)
-        row["exact"] = ("reference" if row["method"] == reference else
-                        ("NO" if row["mismatches"] else "yes") if checked else None)
-    per_prompt = [{"dataset": r["dataset"], "prompt": r["prompt"], "method": r["method"],
-                   "prompt_tokens": r["prompt_tokens"], "output_tokens": r["run"].num_output_tokens,
-                   "ttft_s": r["run"].ttft, "wall_s": r["run"].wall, "accept_hist": r["run"].accept_hist,
-                   **({"mismatch": r["mismatch"]} if r.get("mismatch") else {})} for r in records]
+        row["exact"] = (
+            "reference" if row["method"] == reference else ("NO" if row["mismatches"] else "yes") if checked else None
+        )
+    per_prompt = [
+        {
+            "dataset": r["dataset"],
+            "prompt": r["prompt"],
+            "method": r["method"],
+            "prompt_tokens": r["prompt_tokens"],
+            "output_tokens": r["run"].num_output_tokens,
+            "ttft_s": r["run"].ttft,
+            "wall_s": r["run"].wall,
+            "accept_hist": r["run"].accept_hist,
+            **({"mismatch": r["mismatch"]} if r.get("mismatch") else {}),
+        }
+        for r in records
+    ]
     return {
         "config": dataclasses.asdict(cfg),
-        "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "device": str(ctx.device), "dtype": str(ctx.target.dtype), "threads": torch.get_num_threads(),
-                        "cuda": torch.cuda.get_device_name(0) if ctx.device.type == "cuda" else None,
-                        "machine": platform.machine(), "target_path": str(ctx.target_path)},
-        "reference": reference, "methods": methods, "skipped": skipped, "rows": rows,
-        "mismatches": mismatches, "sampling": sampling, "sweeps": sweeps, "per_prompt": per_prompt,
+        "environment": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": str(ctx.device),
+            "dtype": str(ctx.target.dtype),
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if ctx.device.type == "cuda" else None,
+            "machine": platform.machine(),
+            "target_path": str(ctx.target_path),
+        },
+        "reference": reference,
+        "methods": methods,
+        "skipped": skipped,
+        "rows": rows,
+        "mismatches": mismatches,
+        "sampling": sampling,
+        "sweeps": sweeps,
+        "per_prompt": per_prompt,
     }
 
 
 # ---- rendering -------------------------------------------------------------------------------
-COLUMNS = [("dataset", "dataset"), ("method", "method"), ("decode_tokens_per_s", "tok/s"), ("speedup_vs_hf", "vs hf"),
-           ("speedup_vs_baseline", "vs baseline"), ("ttft_ms", "TTFT ms"), ("tau", "tau"),
-           ("drafts_per_step", "drafts/step"), ("per_position_acceptance", "P(accept) pos 1..8"),
-           ("draft_ms_per_step", "draft ms/step"), ("verify_ms_per_step", "verify ms/step"), ("bound", "bound"), ("bound_reached", "reached"),
-           ("exact", "exact")]
+COLUMNS = [
+    ("dataset", "dataset"),
+    ("method", "method"),
+    ("decode_tokens_per_s", "tok/s"),
+    ("speedup_vs_hf", "vs hf"),
+    ("speedup_vs_baseline", "vs baseline"),
+    ("ttft_ms", "TTFT ms"),
+    ("tau", "tau"),
+    ("drafts_per_step", "drafts/step"),
+    ("per_position_acceptance", "P(accept) pos 1..8"),
+    ("draft_ms_per_step", "draft ms/step"),
+    ("verify_ms_per_step", "verify ms/step"),
+    ("bound", "bound"),
+    ("bound_reached", "reached"),
+    ("exact", "exact"),
+]
 
 
 def fmt(key: str, v) -> str:
@@ -181,40 +228,70 @@ def markdown(rows: list[dict], columns=COLUMNS) -> str:
 
 
 SWEEP_COLUMNS = {
-    "block_size": [("block_size", "block"), ("decode_tokens_per_s", "tok/s"), ("speedup_vs_baseline", "vs baseline"),
-                   ("tau", "tau"), ("per_position_acceptance", "P(accept) pos 1..8")],
-    "prompt_length": [("target_length", "target len"), ("mean_prompt_tokens", "prompt tokens"),
-                      ("baseline_tokens_per_s", "baseline tok/s"), ("decode_tokens_per_s", "dflash tok/s"),
-                      ("speedup_vs_baseline", "vs baseline"), ("tau", "tau"), ("ttft_ms", "TTFT ms")],
-    "concurrency": [("concurrency", "streams"), ("requests", "requests"), ("throughput_tokens_per_s", "tok/s"),
-                    ("mean_latency_s", "latency s"), ("ttft_ms", "server TTFT ms"), ("tau", "tau"),
-                    ("speedup_vs_single_stream", "vs 1 stream"), ("speedup_vs_baseline", "vs baseline")],
+    "block_size": [
+        ("block_size", "block"),
+        ("decode_tokens_per_s", "tok/s"),
+        ("speedup_vs_baseline", "vs baseline"),
+        ("tau", "tau"),
+        ("per_position_acceptance", "P(accept) pos 1..8"),
+    ],
+    "prompt_length": [
+        ("target_length", "target len"),
+        ("mean_prompt_tokens", "prompt tokens"),
+        ("baseline_tokens_per_s", "baseline tok/s"),
+        ("decode_tokens_per_s", "dflash tok/s"),
+        ("speedup_vs_baseline", "vs baseline"),
+        ("tau", "tau"),
+        ("ttft_ms", "TTFT ms"),
+    ],
+    "concurrency": [
+        ("concurrency", "streams"),
+        ("requests", "requests"),
+        ("throughput_tokens_per_s", "tok/s"),
+        ("mean_latency_s", "latency s"),
+        ("ttft_ms", "server TTFT ms"),
+        ("tau", "tau"),
+        ("speedup_vs_single_stream", "vs 1 stream"),
+        ("speedup_vs_baseline", "vs baseline"),
+    ],
 }
 
 
 def render_markdown(rep: dict) -> str:
     cfg = rep["config"]
     env = rep["environment"]
-    lines = [f"# DFlash benchmark: {Path(cfg['target']).name}", "",
-             f"device {env['device']} ({env['cuda'] or env['machine']}), {env['dtype']}, torch {env['torch']}, "
-             f"transformers {env['transformers']}; temperature {cfg['temperature']}, max_new_tokens "
-             f"{cfg['max_new_tokens']}, chat {'on' if cfg['chat'] else 'off'}, reference `{rep['reference']}`"
-             + (f", dflash draft cutoff {cfg['draft_cutoff']:g}" if cfg.get("draft_cutoff") else ""), "",
-             markdown(rep["rows"])]
+    lines = [
+        f"# DFlash benchmark: {Path(cfg['target']).name}",
+        "",
+        f"device {env['device']} ({env['cuda'] or env['machine']}), {env['dtype']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}; temperature {cfg['temperature']}, max_new_tokens "
+        f"{cfg['max_new_tokens']}, chat {'on' if cfg['chat'] else 'off'}, reference `{rep['reference']}`"
+        + (f", dflash draft cutoff {cfg['draft_cutoff']:g}" if cfg.get("draft_cutoff") else ""),
+        "",
+        markdown(rep["rows"]),
+    ]
     for name, why in rep["skipped"].items():
         lines.append(f"- skipped `{name}`: {why}")
     if rep["mismatches"]:
         lines += ["", "## Output mismatches (greedy)", ""] + [f"- {m}" for m in rep["mismatches"]]
     if rep.get("sampling"):
-        lines += ["", "## Sampling comparison (temperature > 0: distributions, not tokens)", "",
-                  "Mean log-probability of the sampled tokens under the target at this temperature (equal in "
-                  "expectation for lossless samplers; z = difference from the reference in standard errors), and the "
-                  "Jensen-Shannon divergence (bits) of output-token frequencies from the reference's (sampling noise "
-                  "dominates it on small samples).", "",
-                  "| method | tokens | mean log-prob | stderr | z vs ref | JS div vs ref |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Sampling comparison (temperature > 0: distributions, not tokens)",
+            "",
+            "Mean log-probability of the sampled tokens under the target at this temperature (equal in "
+            "expectation for lossless samplers; z = difference from the reference in standard errors), and the "
+            "Jensen-Shannon divergence (bits) of output-token frequencies from the reference's (sampling noise "
+            "dominates it on small samples).",
+            "",
+            "| method | tokens | mean log-prob | stderr | z vs ref | JS div vs ref |",
+            "|---|---|---|---|---|---|",
+        ]
         for m, s in rep["sampling"].items():
-            cells = [f"{v:.3f}" if isinstance(v, float) else "-" for v in
-                     (s["mean_logprob"], s["stderr"], s.get("z_vs_reference"), s["js_divergence_vs_reference"])]
+            cells = [
+                f"{v:.3f}" if isinstance(v, float) else "-"
+                for v in (s["mean_logprob"], s["stderr"], s.get("z_vs_reference"), s["js_divergence_vs_reference"])
+            ]
             lines.append(f"| {m} | {s['tokens']} | " + " | ".join(cells) + " |")
     for name, sweep in (rep.get("sweeps") or {}).items():
         lines += ["", f"## Scaling: {name.replace('_', ' ')}", ""]
@@ -226,6 +303,7 @@ def render_markdown(rep: dict) -> str:
 
 
 def print_rich(rep: dict) -> None:
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.console import Console
     from rich.table import Table
 
@@ -254,8 +332,6 @@ def write_outputs(rep: dict, out: Path, plots: bool = True, say=print) -> dict[s
     files["markdown"].write_text(render_markdown(rep))
     print_rich(rep)
     if plots:
-        from dflash_trt.bench.plots import make_plots
-
         made = make_plots(rep, out, say=say)
         files.update(made)
     rep["files"] = {k: str(v) for k, v in files.items()}

@@ -1,10 +1,10 @@
 """`run_bench(BenchConfig)`: the whole benchmark in one process, the library call behind
 `dflash-trt bench` and `scripts/bench.py`.
 
-Boundary: loading (target, tokenizer, drafter, assistant, server), prompt encoding, warm-up and the
-interleaved schedule (for every prompt, every method in turn: A B A B ...), the exactness check
-and the sampling comparison; numbers are aggregated and written by report.py / plots.py, the
-scaling sweeps live in scaling.py.
+Boundary: loading (target, tokenizer, drafter, assistant, server), prompt encoding, warm-up, and
+the runs of every dataset through the interleaved schedule with its exactness check (schedule.py:
+for every prompt, every method in turn, A B A B ...) and the sampling comparison; numbers are
+aggregated and written by report.py / plots.py, the scaling sweeps live in scaling.py.
 
 Exactness: at temperature 0 every lossless method's output must equal the reference (`hf`,
 else `baseline`) token for token (text for the server); any difference fails the run with
@@ -20,13 +20,28 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from dflash_trt.api import (
+    inexact_greedy_note,
+    load_drafter,
+    load_target,
+    load_tokenizer,
+    parse_dtype,
+    resolve_device,
+    resolve_target_dir,
+    stop_ids,
+)
+from dflash_trt.bench import report, scaling
 from dflash_trt.bench.datasets import load_dataset
-from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, Run, neutral_generation_config
+from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, neutral_generation_config
+from dflash_trt.bench.schedule import fit_prompt, run_schedule
 from dflash_trt.config import SamplingParams
-from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff
+from dflash_trt.decoding.engine import _eos_ids
+from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.modeling.cpu_pack import pack_hf_model
+from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+from dflash_trt.serving.server import TritonServer
 
 DEFAULT_METHODS = ("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "dflash-triton")
 
@@ -83,9 +98,6 @@ class BenchContext:
     """Models and options shared by the methods of one bench run."""
 
     def __init__(self, cfg: BenchConfig, progress: bool = True):
-        from dflash_trt.api import load_target, load_tokenizer, resolve_device, stop_ids
-        from dflash_trt.decoding.engine import _eos_ids
-
         self.cfg, self.chat = cfg, cfg.chat
         self.device = resolve_device(cfg.device)
         self.target, self.target_path = load_target(cfg.target, cfg.dtype, progress=progress, device=self.device)
@@ -101,8 +113,6 @@ class BenchContext:
         self._tmp = tempfile.TemporaryDirectory(prefix="dflash-bench-")
 
     def drafter(self, block_size: int | None = None):
-        from dflash_trt.api import load_drafter
-
         b = block_size or self.cfg.block_size
         if b not in self._drafters:
             if not self.cfg.drafter and not self.cfg.random_drafter:
@@ -112,16 +122,13 @@ class BenchContext:
         return self._drafters[b]
 
     def load_assistant(self):
+        # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
         from transformers import AutoModelForCausalLM
-
-        from dflash_trt.api import load_tokenizer, parse_dtype, resolve_target_dir
 
         path = resolve_target_dir(self.assistant)
         dtype = parse_dtype(self.cfg.dtype, device=self.device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         if self.target.packed:  # the assistant runs on the same CPU GEMMs as the target
-            from dflash_trt.modeling.cpu_pack import pack_hf_model
-
             pack_hf_model(model)
         tokenizer = load_tokenizer(path)
         neutral_generation_config(model, tokenizer)
@@ -129,15 +136,18 @@ class BenchContext:
 
     def start_server(self):
         """A TritonServer (entered) over a model repository for this run's target and drafter."""
-        from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
-        from dflash_trt.serving.server import TritonServer
-
         drafter_dir = self.cfg.drafter
         if not drafter_dir or self.cfg.block_size:  # a random drafter, or a block size override: save it
             drafter_dir = Path(self._tmp.name) / "drafter"
             self.drafter().save_pretrained(drafter_dir)
-        values = default_values(self.target_path, drafter_dir, dtype=self.cfg.dtype, max_seq_len=self.max_seq_len,
-                                apply_chat_template=self.chat, max_batch=max([16] + self.cfg.sweep_concurrency))
+        values = default_values(
+            self.target_path,
+            drafter_dir,
+            dtype=self.cfg.dtype,
+            max_seq_len=self.max_seq_len,
+            apply_chat_template=self.chat,
+            max_batch=max([16] + self.cfg.sweep_concurrency),
+        )
         repo = fill_model_repo(default_template_dir(), Path(self._tmp.name) / "repo", values)
         return TritonServer(repo, startup_timeout=600).__enter__()
 
@@ -146,28 +156,6 @@ class BenchContext:
 
 
 # ---- prompts -------------------------------------------------------------------------------
-def fit_prompt(tokenizer, text: str, chat: bool, length: int | None, filler: str = "") -> tuple[str, list[int]]:
-    """(text, ids) with the prompt cut (or, with `filler`, padded in front) so that the encoded
-    prompt has about `length` tokens; None keeps it. Cuts are made on the content tokens, so the
-    chat template stays intact; the re-encoded length can differ from `length` by a token or two."""
-    from dflash_trt.api import encode
-
-    ids = encode(tokenizer, text, chat)
-    if length is None or len(ids) == length or (len(ids) < length and not filler):
-        return text, ids
-    overhead = len(ids) - len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    need = max(1, length - overhead)
-    content = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(content) > need:
-        content = content[:need]
-    else:
-        pad = tokenizer(filler, add_special_tokens=False)["input_ids"] or content
-        pad = (pad * (need // max(1, len(pad)) + 1))[: need - len(content)]
-        content = pad + content
-    text = tokenizer.decode(content, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return text, encode(tokenizer, text, chat)
-
-
 def build_items(ctx: BenchContext, cfg: BenchConfig) -> dict[str, list[Item]]:
     items = {}
     for name in cfg.datasets:
@@ -183,57 +171,6 @@ def build_items(ctx: BenchContext, cfg: BenchConfig) -> dict[str, list[Item]]:
 
 
 # ---- running -------------------------------------------------------------------------------
-def first_difference(a, b) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def check_exact(ctx, method, run: Run, ref: Run, item: Item) -> str | None:
-    """None if `run` equals the reference, else a message naming method, prompt and position."""
-    if run.tokens is None:  # text-only method: compare with the reference's decoded text
-        want = ctx.tokenizer.decode(ref.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        i = first_difference(run.text or "", want)
-        if i is None:
-            return None
-        return (f"{method} differs from the reference on {item.key} at character {i}: "
-                f"{(run.text or '')[i:i + 20]!r} vs {want[i:i + 20]!r}")
-    i = first_difference(run.tokens, ref.tokens)
-    if i is None:
-        return None
-    got = run.tokens[i] if i < len(run.tokens) else "end"
-    exp = ref.tokens[i] if i < len(ref.tokens) else "end"
-    return (f"{method} differs from the reference on {item.key} at output token {i} "
-            f"(got {got}, expected {exp}; {len(run.tokens)} vs {len(ref.tokens)} tokens)")
-
-
-def run_schedule(methods: dict, items: list[Item], params: SamplingParams, reference: str | None,
-                 ctx, mismatches: list[str], on_run=None, say=print) -> list[dict]:
-    """Every prompt, every method in turn; one record per (prompt, method)."""
-    records = []
-    for item in items:
-        runs = {}
-        for name, m in methods.items():
-            runs[name] = run = m.run(item, params)
-            rec = {"dataset": item.dataset, "prompt": item.id, "method": name, "prompt_tokens": len(item.ids),
-                   "run": run, "item": item}
-            records.append(rec)
-            if on_run:
-                on_run(rec)
-        if params.greedy and reference in runs:
-            for name, run in runs.items():
-                if name != reference and methods[name].lossless:
-                    msg = check_exact(ctx, name, run, runs[reference], item)
-                    if msg:
-                        say(f"MISMATCH: {msg}")
-                        mismatches.append(msg)
-                        for r in records[-len(runs):]:
-                            if r["method"] == name:
-                                r["mismatch"] = msg
-    return records
-
-
 def warm_up(methods: dict, items: list[Item], params: SamplingParams, ctx, rounds: int) -> None:
     if rounds < 1 or not items:
         return
@@ -262,10 +199,6 @@ def prepare_methods(ctx, names: list[str], say=print) -> tuple[dict, dict[str, s
 def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
     """Run the benchmark, write bench.json / bench.md / plots into cfg.out_dir, return the report.
     Raises OutputMismatchError (after writing) if a lossless method's greedy output differs."""
-    from dflash_trt.bench import report, scaling
-    from dflash_trt.contention import CpuWatch, contention_warning
-    from dflash_trt.api import inexact_greedy_note
-
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx = BenchContext(cfg, progress=progress)
@@ -274,10 +207,12 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
     try:
         items = build_items(ctx, cfg)
         longest = max(len(i.ids) for ds in items.values() for i in ds)
-        ctx.max_seq_len = min(ctx.target.max_context(),
-                              max(longest, *(cfg.sweep_prompt_lengths or [0])) + cfg.max_new_tokens + 64)
-        params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                stop_token_ids=ctx.stop_ids, seed=cfg.seed)
+        ctx.max_seq_len = min(
+            ctx.target.max_context(), max(longest, *(cfg.sweep_prompt_lengths or [0])) + cfg.max_new_tokens + 64
+        )
+        params = SamplingParams(
+            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=cfg.seed
+        )
         methods, skipped = prepare_methods(ctx, cfg.methods, say)
         if not methods:
             raise DFlashError(f"no method can run here: {skipped}")
@@ -287,12 +222,30 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
             records = []
             with CpuWatch() as watch:
                 for ds in items.values():
-                    records += run_schedule(methods, ds, params, reference, ctx, mismatches, say=say,
-                                            on_run=lambda r: say(_progress_line(r)) if progress else None)
+                    records += run_schedule(
+                        methods,
+                        ds,
+                        params,
+                        reference,
+                        ctx,
+                        mismatches,
+                        say=say,
+                        on_run=lambda r: say(_progress_line(r)) if progress else None,
+                    )
             sampling = None if params.greedy else report.sample_divergence(ctx, records, reference)
             sweeps = scaling.run_sweeps(ctx, cfg, methods, items, params, records, mismatches, say)
-        rep = report.build_report(cfg, ctx, records, list(methods), skipped, reference, mismatches, sampling, sweeps,
-                                  lossless={n for n, m in methods.items() if m.lossless})
+        rep = report.build_report(
+            cfg,
+            ctx,
+            records,
+            list(methods),
+            skipped,
+            reference,
+            mismatches,
+            sampling,
+            sweeps,
+            lossless={n for n, m in methods.items() if m.lossless},
+        )
         # the Triton server is another process: its work would read as contention, so no figure then
         rep["other_cpu_share"] = None if "dflash-triton" in methods else watch.others_share
         report.write_outputs(rep, out, plots=cfg.plots, say=say)
@@ -304,8 +257,10 @@ def run_bench(cfg: BenchConfig, say=print, progress: bool = True) -> dict:
         ctx.close()
     if mismatches:
         note = inexact_greedy_note(ctx.target.dtype)
-        raise OutputMismatchError(f"{len(mismatches)} greedy output mismatch(es); first: {mismatches[0]} "
-                                  f"(report in {out})" + (f"; {note}" if note else ""))
+        raise OutputMismatchError(
+            f"{len(mismatches)} greedy output mismatch(es); first: {mismatches[0]} "
+            f"(report in {out})" + (f"; {note}" if note else "")
+        )
     return rep
 
 
@@ -314,11 +269,14 @@ def _progress_line(rec: dict) -> str:
     dt = r.wall - r.ttft
     tps = (r.num_output_tokens - 1) / dt if dt > 0 else 0.0
     flag = "  MISMATCH" if rec.get("mismatch") else ""
-    return f"  {rec['dataset']}/{rec['prompt']:<8} {rec['method']:<17} {r.num_output_tokens:4d} tok {tps:8.1f} tok/s{flag}"
+    return (
+        f"  {rec['dataset']}/{rec['prompt']:<8} {rec['method']:<17} {r.num_output_tokens:4d} tok {tps:8.1f} tok/s{flag}"
+    )
 
 
 @contextlib.contextmanager
 def _quiet_transformers():
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()

@@ -3,7 +3,8 @@
 Boundary: owns per-request state (sampling params, RNG, outputs, statistics) and the batch's
 caches; requests join (`add_request`) and leave (finish / `cancel`) between steps, so it serves
 both `generate()` and the Triton orchestrator's continuous batching. Model math lives in
-engine/, acceptance math in decoding/verify.py.
+modeling/, acceptance math in decoding/verify.py; the statistics type, the stop/length rule and
+the prompt check it applies are decoding/stats.py, stopping.py and prompt.py.
 
 Per row, between steps: the target cache holds every verified token except `last` (the token
 that opens the next block); the drafter cache holds context K/V for the same positions except
@@ -19,49 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
+from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
+from dflash_trt.decoding.prompt import check_prompt
+from dflash_trt.decoding.stats import DecodeStats
+from dflash_trt.decoding.stopping import StopRule
+from dflash_trt.decoding.verify import Verdict, sample_tokens, warp_logits
+from dflash_trt.errors import DFlashError
 from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
-from dflash_trt.errors import DFlashError
-from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
-from dflash_trt.decoding.verify import Verdict, sample_tokens, warp_logits
-
-
-@dataclass
-class RequestStats:
-    block_size: int
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_verify_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    accept_hist: list[int] = field(default_factory=list)  # [k] = verify steps that emitted k tokens (1..B)
-    accepted_at: list[int] = field(default_factory=list)  # [i] = steps whose draft i+1 was accepted
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    prefill_time: float = 0.0
-
-    def __post_init__(self):
-        self.accept_hist = self.accept_hist or [0] * (self.block_size + 1)
-        self.accepted_at = self.accepted_at or [0] * (self.block_size - 1)
-
-    def record(self, accepted: int, drafted: int) -> None:
-        """One verify step that checked `drafted` drafts and kept `accepted` of them."""
-        self.num_verify_steps += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_draft_tokens += accepted
-        self.accept_hist[accepted + 1] += 1
-        for i in range(accepted):
-            self.accepted_at[i] += 1
-
-    @property
-    def tau(self) -> float:
-        """Acceptance length: tokens emitted per verify step, bonus included."""
-        s = self.num_verify_steps
-        return (self.num_accepted_draft_tokens + s) / s if s else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass
@@ -70,7 +36,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "cancelled" | None while running
-    stats: RequestStats
+    stats: DecodeStats  # this request's alone (decoding/stats.py)
 
 
 @dataclass
@@ -78,17 +44,25 @@ class _Request:
     request_id: str
     params: SamplingParams
     generator: torch.Generator
-    stops: frozenset[int]
-    stats: RequestStats
-    num_prompt: int
+    rule: StopRule
+    stats: DecodeStats
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
 
 class SpecEngine:
-    def __init__(self, target, drafter, max_batch: int = 16, max_seq_len: int | None = None,
-                 kernels: str = "auto", cuda_graph: str = "auto", draft_cutoff: float = 0.0, _capture=None):
+    def __init__(
+        self,
+        target,
+        drafter,
+        max_batch: int = 16,
+        max_seq_len: int | None = None,
+        kernels: str = "auto",
+        cuda_graph: str = "auto",
+        draft_cutoff: float = 0.0,
+        _capture=None,
+    ):
         """kernels: "auto" | "triton" | "torch" (see modeling/fast_path.py): the drafter's context
         injection and block attention and the acceptance step on the Triton kernels or PyTorch.
         cuda_graph: "auto" | "on" | "off": replay the drafter's propose step from a CUDA graph
@@ -120,9 +94,11 @@ class SpecEngine:
         on_gpu = torch.device(self.target.device).type == "cuda" or capture is not None
         usable = self.drafter_kernels == "triton" and on_gpu
         if mode == "on" and not usable:
-            raise DFlashError(f"cuda_graph='on' needs the Triton kernels on a CUDA device (kernels in use: "
-                              f"{self.drafter_kernels}, device: {self.target.device}); use cuda_graph='auto' "
-                              f"or 'off', or kernels='triton' on a GPU")
+            raise DFlashError(
+                f"cuda_graph='on' needs the Triton kernels on a CUDA device (kernels in use: "
+                f"{self.drafter_kernels}, device: {self.target.device}); use cuda_graph='auto' "
+                f"or 'off', or kernels='triton' on a GPU"
+            )
         if mode == "off" or not usable:
             return None
         return GraphedPropose(self.drafter, capture or cuda_capture)
@@ -145,8 +121,8 @@ class SpecEngine:
             known.add(rid)
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
-            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
-            reqs.append(_Request(rid, params, gen, stops, RequestStats(self.block_size, len(ids)), len(ids)))
+            rule = StopRule.for_request(params, self.eos, len(ids), self.max_seq_len)
+            reqs.append(_Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids))))
             prompts.append(ids)
         t0 = time.perf_counter()
         cap = self.max_seq_len + self.block_size
@@ -167,15 +143,7 @@ class SpecEngine:
     def _validate(self, rid: str, ids: list[int], known: set) -> None:
         if rid in known:
             raise DFlashError(f"request_id {rid!r} is already running")
-        if not ids:
-            raise DFlashError("prompt is empty: give at least one token")
-        V = self.target.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise DFlashError(f"prompt token ids {bad[:4]} outside the vocabulary 0..{V - 1}")
-        if len(ids) >= self.max_seq_len:
-            raise DFlashError(f"prompt has {len(ids)} tokens but the context is max_seq_len={self.max_seq_len}; "
-                              f"shorten the prompt or raise max_seq_len")
+        check_prompt(ids, self.target.vocab_size, self.max_seq_len)
 
     def _join(self, reqs, tcache, dcache, last, pending, pending_n) -> None:
         if not self.reqs:
@@ -214,7 +182,7 @@ class SpecEngine:
         # rows verify together; a shorter row's extra drafts are not judged (no host sync when ungated)
         width = int(n_draft.max()) + 1 if self.draft_cutoff > 0 else self.block_size
         out = self.verify(block[:, :width])
-        verdict = self.accept(block[:, :width], out.logits, None if q is None else q[:, :width - 1], n_draft)
+        verdict = self.accept(block[:, :width], out.logits, None if q is None else q[:, : width - 1], n_draft)
         t2 = time.perf_counter()
         self.rewind(verdict, out.taps)
         accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
@@ -258,8 +226,12 @@ class SpecEngine:
                 block[r, 1:] = sample_tokens(q[r], req.generator)
         conf = None
         if gated:  # a sampled row's confidence is q's top probability, never q of the sampled draft (lossless)
-            conf = torch.stack([_chosen_prob(logits[r], block[r, 1:]) if req.params.greedy
-                                else q[r].max(-1).values for r, req in enumerate(self.reqs)])
+            conf = torch.stack(
+                [
+                    _chosen_prob(logits[r], block[r, 1:]) if req.params.greedy else q[r].max(-1).values
+                    for r, req in enumerate(self.reqs)
+                ]
+            )
         return block, q, self._lengths(conf, R)
 
     def _lengths(self, conf: torch.Tensor | None, R: int) -> torch.Tensor:
@@ -272,8 +244,9 @@ class SpecEngine:
         block [R, W] -> logits [R, W, V], taps [R, W, taps*d]."""
         return self.target.forward(block, self.tcache, self.tap_layers)
 
-    def accept(self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
-               n_draft: torch.Tensor) -> Verdict:
+    def accept(
+        self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None, n_draft: torch.Tensor
+    ) -> Verdict:
         """block [R, W], logits [R, W, V], q [R, W-1, V] or None; row r judges its first n_draft[r] drafts."""
         ops = self.accept_ops  # decoding/verify.py, or the Triton accept kernels
         W = block.shape[1]
@@ -286,11 +259,11 @@ class SpecEngine:
         for r, req in enumerate(self.reqs):
             n = int(n_draft[r]) + 1
             if req.params.greedy:
-                v = ops.greedy(block[r:r + 1, :n], logits[r:r + 1, :n])
+                v = ops.greedy(block[r : r + 1, :n], logits[r : r + 1, :n])
             else:
                 p = warp_logits(logits[r, :n], req.params)
                 u = torch.rand(self.block_size, generator=req.generator, device=logits.device)
-                v = ops.rejection(block[r:r + 1, :n], p[None], q[r:r + 1, :n - 1], u[None, :n - 1], u[-1:])
+                v = ops.rejection(block[r : r + 1, :n], p[None], q[r : r + 1, : n - 1], u[None, : n - 1], u[-1:])
             accepted.append(v.accepted)
             bonus.append(v.bonus)
         return Verdict(torch.cat(accepted), torch.cat(bonus))
@@ -312,16 +285,12 @@ class SpecEngine:
         return sample_tokens(warp_logits(logits, req.params), req.generator)
 
     def _emit(self, req: _Request, tokens: list[int]) -> None:
-        """Append tokens up to the first stop token / token budget / context limit."""
-        for t in tokens:
-            if req.finish_reason is not None:
-                return
-            req.output.append(t)
-            req.unsent.append(t)
-            if t in req.stops:
-                req.finish_reason = "stop"
-            elif len(req.output) >= req.params.max_new_tokens or req.num_prompt + len(req.output) >= self.max_seq_len:
-                req.finish_reason = "length"
+        """Append tokens up to the first stop token / token budget / context limit (decoding/stopping.py)."""
+        if req.finish_reason is not None:
+            return
+        keep, req.finish_reason = req.rule.admit(len(req.output), tokens)
+        req.output += tokens[:keep]
+        req.unsent += tokens[:keep]
         req.stats.num_output_tokens = len(req.output)
 
     def _drop_finished(self) -> None:

@@ -1,7 +1,8 @@
 """generate() (DFlash speculative decoding) and generate_baseline() (plain autoregressive decoding
 on the same target adapter), for a batch of prompts with per-row lengths.
 
-Boundary: batch-level entry points and aggregate statistics. The per-step loop lives in
+Boundary: batch-level entry points; their statistics are decoding/stats.py's DecodeStats (the
+requests' added together), their stop rule decoding/stopping.py's. The per-step loop lives in
 decoding/engine.py; both functions here use the same target adapter so that their speed ratio is
 the speculative speedup alone.
 """
@@ -9,79 +10,22 @@ the speculative speedup alone.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.decoding.engine import RequestStats, SpecEngine, _eos_ids
+from dflash_trt.decoding.engine import SpecEngine, _eos_ids
+from dflash_trt.decoding.stats import DecodeStats
+from dflash_trt.decoding.stopping import StopRule
 from dflash_trt.decoding.verify import sample_tokens, warp_logits
-
-
-@dataclass
-class GenerationStats:
-    block_size: int = 0
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_verify_steps: int = 0  # target forward passes after prefill (decode steps for the baseline)
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    accept_hist: list[int] = field(default_factory=list)  # [k]: verify steps that emitted k tokens
-    accepted_at: list[int] = field(default_factory=list)  # [i]: steps whose draft i+1 was accepted
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    wall_time: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Acceptance length: tokens per verify step including the bonus token."""
-        s = self.num_verify_steps
-        return (self.num_accepted_draft_tokens + s) / s if s and self.block_size else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """P(draft i is accepted) for i = 1..B-1, over all verify steps."""
-        s = self.num_verify_steps
-        return [c / s for c in self.accepted_at] if s else []
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        dt = self.wall_time - self.prefill_time
-        return (self.num_output_tokens - 1) / dt if dt > 0 and self.num_output_tokens > 1 else 0.0
-
-    def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate,
-                 per_position_acceptance=self.per_position_acceptance, decode_tokens_per_s=self.decode_tokens_per_s)
-        return d
-
-    def add(self, s: "RequestStats | GenerationStats") -> None:
-        """Add another's token and step counts (not times)."""
-        self.block_size = s.block_size or self.block_size
-        for k in ("num_prompt_tokens", "num_output_tokens", "num_verify_steps", "num_draft_tokens",
-                  "num_accepted_draft_tokens"):
-            setattr(self, k, getattr(self, k) + getattr(s, k))
-        self.accept_hist = [a + b for a, b in zip(self.accept_hist or [0] * len(s.accept_hist), s.accept_hist)]
-        self.accepted_at = [a + b for a, b in zip(self.accepted_at or [0] * len(s.accepted_at), s.accepted_at)]
-
-
-    def merge(self, other: "GenerationStats") -> None:
-        """Add another run's counts and times (runs one after another, e.g. over a prompt set)."""
-        self.add(other)
-        for k in ("prefill_time", "draft_time", "verify_time", "wall_time"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
 @dataclass
 class GenerationResult:
     tokens: list[list[int]]  # generated tokens per prompt (prompt excluded, stop token included)
     finish_reasons: list[str]
-    stats: GenerationStats
+    stats: DecodeStats  # the batch's: every request's counts added (decoding/stats.py)
 
 
 def _as_prompts(input_ids) -> list[list[int]]:
@@ -98,9 +42,17 @@ def _row_params(params: SamplingParams, r: int) -> SamplingParams:
     return SamplingParams(**{**params.__dict__, "seed": params.seed + r})
 
 
-def generate(target, drafter, input_ids, params: SamplingParams | None = None,
-             max_seq_len: int | None = None, kernels: str = "auto", cuda_graph: str = "auto",
-             draft_cutoff: float = 0.0, _capture=None) -> GenerationResult:
+def generate(
+    target,
+    drafter,
+    input_ids,
+    params: SamplingParams | None = None,
+    max_seq_len: int | None = None,
+    kernels: str = "auto",
+    cuda_graph: str = "auto",
+    draft_cutoff: float = 0.0,
+    _capture=None,
+) -> GenerationResult:
     """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L]).
     kernels: "auto" | "triton" | "torch", the drafter / acceptance backend (modeling/fast_path.py);
     cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (modeling/cuda_graph.py);
@@ -108,20 +60,28 @@ def generate(target, drafter, input_ids, params: SamplingParams | None = None,
     params = params or SamplingParams()
     prompts = _as_prompts(input_ids)
     need = max(len(p) for p in prompts) + params.max_new_tokens + 1
-    eng = SpecEngine(target, drafter, max_batch=len(prompts), max_seq_len=max_seq_len or need, kernels=kernels,
-                     cuda_graph=cuda_graph, draft_cutoff=draft_cutoff, _capture=_capture)
+    eng = SpecEngine(
+        target,
+        drafter,
+        max_batch=len(prompts),
+        max_seq_len=max_seq_len or need,
+        kernels=kernels,
+        cuda_graph=cuda_graph,
+        draft_cutoff=draft_cutoff,
+        _capture=_capture,
+    )
     t0 = time.perf_counter()
     eng.add_requests([(str(r), p, _row_params(params, r)) for r, p in enumerate(prompts)])
     tokens: dict[str, list[int]] = {str(r): [] for r in range(len(prompts))}
     reasons: dict[str, str] = {}
-    per_req: dict[str, RequestStats] = {}
+    per_req: dict[str, DecodeStats] = {}
     while eng.has_unfinished():
         for out in eng.step():
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
                 per_req[out.request_id] = out.stats
-    stats = GenerationStats()
+    stats = DecodeStats()
     for s in per_req.values():
         stats.add(s)
     first = next(iter(per_req.values()))
@@ -134,14 +94,16 @@ def generate(target, drafter, input_ids, params: SamplingParams | None = None,
 
 
 @torch.no_grad()
-def generate_baseline(target, input_ids, params: SamplingParams | None = None,
-                      max_seq_len: int | None = None) -> GenerationResult:
+def generate_baseline(
+    target, input_ids, params: SamplingParams | None = None, max_seq_len: int | None = None
+) -> GenerationResult:
     """Plain autoregressive decoding with the same target adapter: one target pass per token."""
     params = params or SamplingParams()
     prompts = _as_prompts(input_ids)
     R = len(prompts)
     cap = max_seq_len or (max(len(p) for p in prompts) + params.max_new_tokens + 1)
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(_eos_ids(target)))
+    eos = _eos_ids(target)
+    rules = [StopRule.for_request(params, eos, len(p), cap) for p in prompts]
     gens = []
     for r in range(R):
         g = torch.Generator(device=target.device)
@@ -160,15 +122,13 @@ def generate_baseline(target, input_ids, params: SamplingParams | None = None,
     active = list(range(R))
     tok = pick(out.logits[:, 0], active)
     prefill_time = time.perf_counter() - t0
-    tokens = [[t] for t in tok.tolist()]
+    tokens: list[list[int]] = [[] for _ in range(R)]
     reasons: list[str | None] = [None] * R
     steps = 0
     while True:
-        for r in active:
-            if tokens[r][-1] in stops:
-                reasons[r] = "stop"
-            elif len(tokens[r]) >= params.max_new_tokens or len(prompts[r]) + len(tokens[r]) >= cap:
-                reasons[r] = "length"
+        for r, t in zip(active, tok.tolist()):  # one token per active row (decoding/stopping.py)
+            _, reasons[r] = rules[r].admit(len(tokens[r]), [t])
+            tokens[r].append(t)
         keep = [a for a, r in enumerate(active) if reasons[r] is None]
         if not keep:
             break
@@ -179,10 +139,13 @@ def generate_baseline(target, input_ids, params: SamplingParams | None = None,
         out = target.forward(tok[:, None], cache)
         tok = pick(out.logits[:, -1], active)
         steps += 1
-        for r, t in zip(active, tok.tolist()):
-            tokens[r].append(t)
     wall = time.perf_counter() - t0
-    stats = GenerationStats(num_prompt_tokens=sum(map(len, prompts)), num_output_tokens=sum(map(len, tokens)),
-                            num_verify_steps=steps, prefill_time=prefill_time, verify_time=wall - prefill_time,
-                            wall_time=wall)
+    stats = DecodeStats(
+        num_prompt_tokens=sum(map(len, prompts)),
+        num_output_tokens=sum(map(len, tokens)),
+        num_verify_steps=steps,
+        prefill_time=prefill_time,
+        verify_time=wall - prefill_time,
+        wall_time=wall,
+    )
     return GenerationResult(tokens, reasons, stats)

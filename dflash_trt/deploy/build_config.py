@@ -14,8 +14,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_trt.errors import ConfigError
+from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff
+from dflash_trt.deploy.quantize import check_quant_target
+from dflash_trt.errors import ConfigError
 
 BACKENDS = ("torch", "tensorrt-llm", "trtllm-pytorch")
 QUANTS = ("bf16", "fp8", "nvfp4")
@@ -38,15 +40,19 @@ class BuildConfig:
     kv_cache: str = "bf16"  # KV cache precision: bf16 | fp8
     sm: str = "sm_90"  # GPU generation targeted: sm_90 (Hopper) | sm_100 | sm_120 (Blackwell)
     tp_size: int = 1  # tensor-parallel ranks (TensorRT-LLM checkpoints, trtllm-pytorch, vllm/sglang)
-    dtype: str = "auto"  # compute dtype: auto (torch: fp32 on CPU, bf16 on GPU; TensorRT-LLM: bfloat16) | bfloat16 | float16 | float32
+    dtype: str = "auto"  # compute dtype: auto (torch: fp32 CPU, bf16 GPU; TRT-LLM bf16) | bfloat16 | float16 | float32
     max_batch: int = 16  # most concurrent sequences per engine step
     max_seq_len: int = 2048  # most tokens per sequence (prompt + output)
     triton_max_batch_size: int = 64  # Triton max_batch_size of the model entry points
     instance_count: int = 2  # Triton instances of the unary text model
-    chat: bool = True  # served prompts go through the tokenizer's chat template (when it has one); requests can override
+    chat: bool = (
+        True  # served prompts go through the tokenizer's chat template (when it has one); requests can override
+    )
     decoupled: bool = True  # also serve the streaming (decoupled) entry points dflash_bls and ensemble
     cpu_threads: int = 0  # torch intra-op threads of the served engine process (0 = torch's default)
-    draft_cutoff: float = 0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
+    draft_cutoff: float = (
+        0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
+    )
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
     eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
@@ -73,11 +79,15 @@ class BuildConfig:
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token plus one output)")
         if self.quantized and self.calib_prompts < 1:
-            raise ConfigError(f"calib_prompts=0: fp8 / nvfp4 need calibration prompts for their activation "
-                              f"scales; set calib_prompts >= 1 (e.g. 16)")
+            raise ConfigError(
+                "calib_prompts=0: fp8 / nvfp4 need calibration prompts for their activation "
+                "scales; set calib_prompts >= 1 (e.g. 16)"
+            )
         if self.eval_source == self.calib_source:
-            raise ConfigError(f"eval_source={self.eval_source}: must differ from calib_source (held-out prompts "
-                              f"measure the quantized models; calibration prompts would flatter them)")
+            raise ConfigError(
+                f"eval_source={self.eval_source}: must differ from calib_source (held-out prompts "
+                f"measure the quantized models; calibration prompts would flatter them)"
+            )
         emit = self.emit.split(",") if isinstance(self.emit, str) else list(self.emit or [])
         self.emit = [e.strip().lower() for e in emit if str(e).strip()]
         bad = [e for e in self.emit if e not in EMITS]
@@ -110,55 +120,72 @@ class BuildConfig:
         come as '8'; bools as true/false), so a wrong type is one line naming the field."""
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            v, t = getattr(self, f.name), hints[f.name]
-            optional = type(None) in typing.get_args(t)
-            base = next((a for a in typing.get_args(t) if a is not type(None)), t) if optional else t
+            v, (base, optional) = getattr(self, f.name), _split_optional(hints[f.name])
             if v is None:
                 if not optional:
-                    raise ConfigError(f"{f.name}: required; set it in the YAML file or pass --{f.name.replace('_', '-')}")
+                    raise ConfigError(
+                        f"{f.name}: required; set it in the YAML file or pass --{f.name.replace('_', '-')}"
+                    )
                 continue
-            if base is bool:
-                if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "1", "0"):
-                    v = v.lower() in ("true", "yes", "1")
-                if not isinstance(v, bool):
-                    raise ConfigError(f"{f.name}={v!r}: must be true or false")
-            elif base is int:
-                if isinstance(v, bool) or not isinstance(v, (int, str)):
-                    raise ConfigError(f"{f.name}={v!r}: must be an integer")
-                try:
-                    v = int(v)
-                except ValueError:
-                    raise ConfigError(f"{f.name}={v!r}: must be an integer") from None
-            elif base is str:
-                if isinstance(v, Path):
-                    v = str(v)
-                if not isinstance(v, (str, int, float)) or isinstance(v, bool):
-                    raise ConfigError(f"{f.name}={v!r}: must be a string")
-                v = str(v)
-            elif typing.get_origin(base) is list:
-                if not isinstance(v, (list, tuple, str)):
-                    raise ConfigError(f"{f.name}={v!r}: must be a list (or a comma-separated string)")
-            setattr(self, f.name, v)
+            coerce = _list_value if typing.get_origin(base) is list else _COERCE.get(base)
+            if coerce is not None:
+                setattr(self, f.name, coerce(f.name, v))
 
     def _check_gpu_generation(self) -> None:
         """NVFP4 tensor cores exist on Blackwell only: refuse nvfp4 for sm_90 (quantize.check_quant_target
         decides; its message is re-worded to this config's field names)."""
-        from dflash_trt.deploy.quantize import check_quant_target
-
         for name in ("target_quant", "drafter_quant"):
             try:
-                check_quant_target(getattr(self, name), self.sm,
-                                   None if self.kv_cache == "bf16" else self.kv_cache)
+                check_quant_target(getattr(self, name), self.sm, None if self.kv_cache == "bf16" else self.kv_cache)
             except ConfigError as e:
                 msg = str(e).replace("quantization.weights", name).replace("gpu_arch", "sm")
                 raise ConfigError(msg.replace(": use fp8", f": use {name}: fp8, or sm: sm_100 / sm_120")) from None
 
 
+# ---- untyped YAML / CLI values -> a field's type (BuildConfig._check_types) ----------------------
+def _split_optional(t) -> tuple[object, bool]:
+    """(the type inside `X | None`, whether None is allowed)."""
+    optional = type(None) in typing.get_args(t)
+    return (next((a for a in typing.get_args(t) if a is not type(None)), t) if optional else t), optional
+
+
+def _bool_value(name: str, v):
+    if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "1", "0"):
+        v = v.lower() in ("true", "yes", "1")
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name}={v!r}: must be true or false")
+    return v
+
+
+def _int_value(name: str, v):
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ConfigError(f"{name}={v!r}: must be an integer")
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"{name}={v!r}: must be an integer") from None
+
+
+def _str_value(name: str, v):
+    if isinstance(v, Path):
+        v = str(v)
+    if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+        raise ConfigError(f"{name}={v!r}: must be a string")
+    return str(v)
+
+
+def _list_value(name: str, v):
+    if not isinstance(v, (list, tuple, str)):
+        raise ConfigError(f"{name}={v!r}: must be a list (or a comma-separated string)")
+    return v
+
+
+_COERCE = {bool: _bool_value, int: _int_value, str: _str_value}
+
+
 def load_build_config(path: str | Path | None, overrides: dict | None = None) -> BuildConfig:
     """BuildConfig from a YAML file plus CLI overrides (None values are ignored); without a file,
     from the overrides alone. Unknown fields are an error naming them and the valid ones."""
-    from dflash_trt.config import load_yaml_dataclass
-
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is not None:
         return load_yaml_dataclass(BuildConfig, path, overrides)

@@ -11,8 +11,14 @@ import json
 import math
 from pathlib import Path
 
+from dflash_trt.api import load_tokenizer, resolve_target_dir
+from dflash_trt.config import DrafterConfig
 from dflash_trt.deploy.build_config import BuildConfig
+from dflash_trt.deploy.convert import _check_tp, _shape
+from dflash_trt.deploy.quantize import quantizable_modules
 from dflash_trt.errors import CheckpointError, ConfigError, IncompatibleModelsError
+from dflash_trt.hub.drafters import bundled_drafters
+from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # bytes per weight of a quantised Linear: fp8 = 1 (+ one fp32 scale per tensor, ignored);
@@ -23,22 +29,22 @@ KV_BYTES = {"bf16": 2, "fp8": 1}
 
 def resolve_inputs(cfg: BuildConfig, progress: bool = True) -> dict[str, Path]:
     """Absolute target / drafter / tokenizer folders; errors name the field."""
-    from dflash_trt.api import resolve_target_dir
-
     try:
         target = resolve_target_dir(cfg.target, progress)
     except ConfigError:
         raise
     except Exception as e:  # unknown registry name, fetch failure, folder without config.json
         msg = str(e)
-        raise ConfigError(f"target={cfg.target}: {msg[msg.find(':') + 2:] if msg.startswith('--target') else msg}") from None
-    from dflash_trt.hub.drafters import bundled_drafters
-
+        raise ConfigError(
+            f"target={cfg.target}: {msg[msg.find(':') + 2:] if msg.startswith('--target') else msg}"
+        ) from None
     bundled = bundled_drafters()
     drafter = bundled[cfg.drafter].path if cfg.drafter in bundled else Path(cfg.drafter).expanduser()
     if not (drafter / "config.json").is_file():
-        raise ConfigError(f"drafter={cfg.drafter}: no config.json there; give a DFlash drafter folder "
-                          f"(z-lab layout, e.g. from `dflash-trt train`)")
+        raise ConfigError(
+            f"drafter={cfg.drafter}: no config.json there; give a DFlash drafter folder "
+            f"(z-lab layout, e.g. from `dflash-trt train`)"
+        )
     tokenizer = Path(cfg.tokenizer).expanduser() if cfg.tokenizer else target
     return {"target": target.resolve(), "drafter": drafter.resolve(), "tokenizer": tokenizer.resolve()}
 
@@ -58,22 +64,23 @@ def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def _weights(folder: Path) -> dict:
     """Parameter count split into quantisable Linear weights and the rest (norms, embeddings, head)."""
-    from dflash_trt.deploy.quantize import quantizable_modules
-
     shapes = _tensor_shapes(folder)
     numel = {k: math.prod(s) for k, s in shapes.items()}
     quant = sum(numel[m + ".weight"] for m in quantizable_modules(shapes) if m != "lm_head")
     total = sum(v for k, v in numel.items() if k != "draft_vocab")
-    return {"params": total, "quantizable": quant,
-            "bytes": {p: int(quant * b + (total - quant) * 2) for p, b in BYTES_PER_WEIGHT.items()}}
+    return {
+        "params": total,
+        "quantizable": quant,
+        "bytes": {p: int(quant * b + (total - quant) * 2) for p, b in BYTES_PER_WEIGHT.items()},
+    }
 
 
 def _tokenizer_ok(folder: Path) -> None:
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(f"tokenizer={folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); "
-                          f"set tokenizer: to the folder that holds them")
-    from dflash_trt.api import load_tokenizer
-
+        raise ConfigError(
+            f"tokenizer={folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); "
+            f"set tokenizer: to the folder that holds them"
+        )
     try:
         load_tokenizer(folder)
     except Exception as e:
@@ -82,64 +89,93 @@ def _tokenizer_ok(folder: Path) -> None:
 
 def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
     """Verify the pair and return the summary dict (raises ConfigError / IncompatibleModelsError)."""
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     from transformers import AutoConfig
-
-    from dflash_trt.config import DrafterConfig
-    from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES
 
     try:
         tc = AutoConfig.from_pretrained(dirs["target"])
     except (OSError, ValueError) as e:
         raise ConfigError(f"target={dirs['target']}: unreadable config.json ({str(e)[:160]})") from None
     if tc.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"target: model_type={tc.model_type!r} unsupported; use a {', '.join(SUPPORTED_MODEL_TYPES)} model")
+        raise ConfigError(
+            f"target: model_type={tc.model_type!r} unsupported; use a {', '.join(SUPPORTED_MODEL_TYPES)} model"
+        )
     try:
         dc = DrafterConfig.load(dirs["drafter"])
     except (ConfigError, CheckpointError) as e:  # e.g. block_size < 2, mask_token_id outside the vocab
         raise ConfigError(f"drafter {dirs['drafter']}/config.json: {e}") from None
     L = tc.num_hidden_layers
-    for field, mine, theirs in (("hidden_size", dc.hidden_size, tc.hidden_size),
-                                ("vocab_size", dc.vocab_size, tc.vocab_size),
-                                ("num_target_layers", dc.num_target_layers, L)):
+    for field, mine, theirs in (
+        ("hidden_size", dc.hidden_size, tc.hidden_size),
+        ("vocab_size", dc.vocab_size, tc.vocab_size),
+        ("num_target_layers", dc.num_target_layers, L),
+    ):
         if mine != theirs:
-            raise IncompatibleModelsError(f"drafter {field}={mine} but the target has {field}={theirs}: this drafter "
-                                          f"was made for another target (train one with `dflash-trt train`)")
+            raise IncompatibleModelsError(
+                f"drafter {field}={mine} but the target has {field}={theirs}: this drafter "
+                f"was made for another target (train one with `dflash-trt train`)"
+            )
     bad = [i for i in dc.target_layer_ids if not 0 <= i < L]
     if bad:
-        raise IncompatibleModelsError(f"drafter dflash_config.target_layer_ids {bad}: must be < the target's {L} layers")
+        raise IncompatibleModelsError(
+            f"drafter dflash_config.target_layer_ids {bad}: must be < the target's {L} layers"
+        )
     if not 0 <= dc.mask_token_id < tc.vocab_size:
-        raise IncompatibleModelsError(f"drafter dflash_config.mask_token_id={dc.mask_token_id}: outside the target "
-                                      f"vocabulary 0..{tc.vocab_size - 1}")
+        raise IncompatibleModelsError(
+            f"drafter dflash_config.mask_token_id={dc.mask_token_id}: outside the target "
+            f"vocabulary 0..{tc.vocab_size - 1}"
+        )
     if dc.block_size < 2:
         raise ConfigError(f"drafter block_size={dc.block_size}: must be >= 2")
     if cfg.max_seq_len > getattr(tc, "max_position_embeddings", cfg.max_seq_len):
-        raise ConfigError(f"max_seq_len={cfg.max_seq_len}: above the target's max_position_embeddings="
-                          f"{tc.max_position_embeddings}; lower it")
+        raise ConfigError(
+            f"max_seq_len={cfg.max_seq_len}: above the target's max_position_embeddings="
+            f"{tc.max_position_embeddings}; lower it"
+        )
     _tokenizer_ok(dirs["tokenizer"])
     if cfg.backend != "torch" and cfg.tp_size > 1:
-        from dflash_trt.deploy.convert import _check_tp, _shape
-
         _check_tp(_shape(tc), cfg.tp_size)
         _check_tp(_shape(dc.to_json_dict()), cfg.tp_size)
     if "nvfp4" in (cfg.target_quant, cfg.drafter_quant):
         for name, c in (("target", tc), ("drafter", dc)):
             if c.hidden_size % 16 or c.intermediate_size % 16:
-                raise ConfigError(f"{name}_quant=nvfp4: hidden_size {c.hidden_size} / intermediate_size "
-                                  f"{c.intermediate_size} must be multiples of 16 (NVFP4 blocks); use fp8")
+                raise ConfigError(
+                    f"{name}_quant=nvfp4: hidden_size {c.hidden_size} / intermediate_size "
+                    f"{c.intermediate_size} must be multiples of 16 (NVFP4 blocks); use fp8"
+                )
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    per_token = {"target": 2 * L * tc.num_key_value_heads * head_dim,  # K and V, every layer
-                 "drafter": 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim}
+    per_token = {
+        "target": 2 * L * tc.num_key_value_heads * head_dim,  # K and V, every layer
+        "drafter": 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim,
+    }
     tokens = cfg.max_batch * cfg.max_seq_len
     return {
-        "target": {"dir": str(dirs["target"]), "model_type": tc.model_type, "layers": L, "hidden_size": tc.hidden_size,
-                   "vocab_size": tc.vocab_size, "quant": cfg.target_quant, **_weights(dirs["target"]),
-                   "kv_cache_bytes": per_token["target"] * tokens * KV_BYTES[cfg.kv_cache]},
-        "drafter": {"dir": str(dirs["drafter"]), "layers": dc.num_hidden_layers, "block_size": dc.block_size,
-                    "target_layer_ids": dc.target_layer_ids, "mask_token_id": dc.mask_token_id,
-                    "quant": cfg.drafter_quant, **_weights(dirs["drafter"]),
-                    "kv_cache_bytes": per_token["drafter"] * tokens * KV_BYTES[cfg.kv_cache]},
-        "tokenizer": str(dirs["tokenizer"]), "backend": cfg.backend, "sm": cfg.sm, "kv_cache": cfg.kv_cache,
-        "max_batch": cfg.max_batch, "max_seq_len": cfg.max_seq_len,
+        "target": {
+            "dir": str(dirs["target"]),
+            "model_type": tc.model_type,
+            "layers": L,
+            "hidden_size": tc.hidden_size,
+            "vocab_size": tc.vocab_size,
+            "quant": cfg.target_quant,
+            **_weights(dirs["target"]),
+            "kv_cache_bytes": per_token["target"] * tokens * KV_BYTES[cfg.kv_cache],
+        },
+        "drafter": {
+            "dir": str(dirs["drafter"]),
+            "layers": dc.num_hidden_layers,
+            "block_size": dc.block_size,
+            "target_layer_ids": dc.target_layer_ids,
+            "mask_token_id": dc.mask_token_id,
+            "quant": cfg.drafter_quant,
+            **_weights(dirs["drafter"]),
+            "kv_cache_bytes": per_token["drafter"] * tokens * KV_BYTES[cfg.kv_cache],
+        },
+        "tokenizer": str(dirs["tokenizer"]),
+        "backend": cfg.backend,
+        "sm": cfg.sm,
+        "kv_cache": cfg.kv_cache,
+        "max_batch": cfg.max_batch,
+        "max_seq_len": cfg.max_seq_len,
     }
 
 
@@ -149,19 +185,28 @@ def _gib(n: float) -> str:
 
 def print_summary(s: dict, console=None) -> None:
     """Rich table of a check summary (to stderr, so stdout stays machine-readable)."""
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"dflash-trt build: {s['backend']} backend, {s['sm']}, "
-                    f"KV cache {s['kv_cache']} for {s['max_batch']} x {s['max_seq_len']} tokens")
+    t = Table(
+        title=f"dflash-trt build: {s['backend']} backend, {s['sm']}, "
+        f"KV cache {s['kv_cache']} for {s['max_batch']} x {s['max_seq_len']} tokens"
+    )
     for col in ("model", "params", "bf16", "fp8", "nvfp4", "KV cache"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for name in ("target", "drafter"):
         m = s[name]
         mem = [(_gib(m["bytes"][p]) + (" *" if p == m["quant"] else "")) for p in ("bf16", "fp8", "nvfp4")]
-        t.add_row(f"{name} ({m.get('model_type', 'dflash')}, {m['layers']} layers)", f"{m['params'] / 1e6:.1f} M",
-                  *mem, _gib(m["kv_cache_bytes"]))
+        t.add_row(
+            f"{name} ({m.get('model_type', 'dflash')}, {m['layers']} layers)",
+            f"{m['params'] / 1e6:.1f} M",
+            *mem,
+            _gib(m["kv_cache_bytes"]),
+        )
     d = s["drafter"]
-    t.caption = (f"* = chosen precision (embeddings, norms, lm_head stay bf16). Drafter block size {d['block_size']}, "
-                 f"taps {d['target_layer_ids']}, mask token {d['mask_token_id']}.")
+    t.caption = (
+        f"* = chosen precision (embeddings, norms, lm_head stay bf16). Drafter block size {d['block_size']}, "
+        f"taps {d['target_layer_ids']}, mask token {d['mask_token_id']}."
+    )
     (console or Console(stderr=True)).print(t)

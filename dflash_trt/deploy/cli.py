@@ -12,13 +12,15 @@ import typing
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_shared import friendly_errors
+from dflash_trt.config import field_help
+from dflash_trt.deploy.build_config import BuildConfig, load_build_config
+from dflash_trt.deploy.check import check, print_summary, resolve_inputs
+from dflash_trt.deploy.run import STAGE_NAMES, run_build, stage_table
+from dflash_trt.errors import DFlashError
 
 
 def _field_options(fn):
-    from dflash_trt.deploy.build_config import BuildConfig
-    from dflash_trt.config import field_help
-
     hints, helps = typing.get_type_hints(BuildConfig), field_help(BuildConfig)
     for f in reversed(dataclasses.fields(BuildConfig)):
         flag = "--" + f.name.replace("_", "-")
@@ -40,18 +42,13 @@ def _common(fn):
 
 
 def _run(config_path, out, force, fields, only=None) -> None:
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.console import Console
     from rich.table import Table
-
-    from dflash_trt.deploy.build_config import load_build_config
-    from dflash_trt.deploy.run import run_build, stage_table
-    from dflash_trt.errors import DFlashError
 
     cfg = load_build_config(config_path, fields)
     if out is None:
         if only == "check":  # a dry check: nothing written
-            from dflash_trt.deploy.check import check, print_summary, resolve_inputs
-
             print_summary(check(cfg, resolve_inputs(cfg)))
             click.echo("check: ok")
             return
@@ -67,8 +64,6 @@ def _run(config_path, out, force, fields, only=None) -> None:
 
 
 def register(main: click.Group) -> None:
-    from dflash_trt.deploy.run import STAGE_NAMES
-
     @main.group("build", invoke_without_command=True, context_settings={"max_content_width": 110})
     @_common
     @click.pass_context
@@ -84,13 +79,15 @@ def register(main: click.Group) -> None:
         if ctx.invoked_subcommand is None:
             _run(config_path, out, force, fields)
 
-    docs = {"check": "Verify target, drafter and tokenizer fit; print params, memory and KV-cache size.",
-            "quantize": "FP8 / NVFP4 checkpoints (Model Optimizer HF layout) with calibrated activation scales.",
-            "convert": "TensorRT-LLM 1.2 checkpoints of both models (backend tensorrt-llm).",
-            "engine": "The engine folder of the chosen backend.",
-            "repo": "The filled Triton model repository.",
-            "emit": "Serving command lines for vLLM / SGLang (--emit vllm,sglang).",
-            "eval": "tau and greedy agreement of the quantized pair against bf16 on held-out prompts."}
+    docs = {
+        "check": "Verify target, drafter and tokenizer fit; print params, memory and KV-cache size.",
+        "quantize": "FP8 / NVFP4 checkpoints (Model Optimizer HF layout) with calibrated activation scales.",
+        "convert": "TensorRT-LLM 1.2 checkpoints of both models (backend tensorrt-llm).",
+        "engine": "The engine folder of the chosen backend.",
+        "repo": "The filled Triton model repository.",
+        "emit": "Serving command lines for vLLM / SGLang (--emit vllm,sglang).",
+        "eval": "tau and greedy agreement of the quantized pair against bf16 on held-out prompts.",
+    }
 
     def make(stage: str):
         @_common

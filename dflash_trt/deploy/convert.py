@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trt.atomic import atomic_dir
+from dflash_trt.config import DrafterConfig
 from dflash_trt.deploy import tp as T
-from dflash_trt.deploy.hf_checkpoint import QUANT_CONFIG_NAME, atomic_dir, unshared
+from dflash_trt.deploy.hf_checkpoint import QUANT_CONFIG_NAME, unshared
 from dflash_trt.deploy.quantize import algo_of, make_hf_quant_config, quantize_state_dict
 from dflash_trt.errors import CheckpointError, ConfigError
 
@@ -65,8 +67,11 @@ def _read_source(src, what: str) -> tuple[dict, object, dict | None]:
         for f in files:
             state.update(load_file(str(f)))
         qpath = folder / QUANT_CONFIG_NAME
-        return state, json.loads((folder / "config.json").read_text()), \
-            (json.loads(qpath.read_text()) if qpath.is_file() else None)
+        return (
+            state,
+            json.loads((folder / "config.json").read_text()),
+            (json.loads(qpath.read_text()) if qpath.is_file() else None),
+        )
     if isinstance(src, tuple) and len(src) == 2:
         state, cfg = src
         if hasattr(cfg, "to_json_dict"):  # DrafterConfig
@@ -84,8 +89,10 @@ def _resolve_quant(state, hf_qc, quant, act_amax, kv_cache):
         if hf_qc is not None:
             have = hf_qc.get("quantization", {}).get("quant_algo")
             if have != algo_of(quant):
-                raise ConfigError(f"quant={quant}: the source is already quantised as {have}; pass quant=None to keep "
-                                  f"it, or convert the unquantised model")
+                raise ConfigError(
+                    f"quant={quant}: the source is already quantised as {have}; pass quant=None to keep "
+                    f"it, or convert the unquantised model"
+                )
         else:
             state, hf_qc = quantize_state_dict(state, quant, act_amax=act_amax, kv_cache=kv_cache)
     q = (hf_qc or make_hf_quant_config(None, None))["quantization"]
@@ -109,30 +116,40 @@ class _Reader:
 
     def linear(self, module: str) -> T.QLinear:
         lin = T.from_hf(self.state, module)
-        self.used.update(k for k in self.state if k.startswith(module + ".") and "." not in k[len(module) + 1:])
+        self.used.update(k for k in self.state if k.startswith(module + ".") and "." not in k[len(module) + 1 :])
         return lin
 
     def check_all_used(self, what: str) -> None:
         left = [k for k in self.state if k not in self.used and not k.endswith("rotary_emb.inv_freq")]
         if left:
-            raise ConfigError(f"{what}: tensor {left[0]} ({len(left)} in all) has no TensorRT-LLM mapping; "
-                              f"unsupported architecture feature")
+            raise ConfigError(
+                f"{what}: tensor {left[0]} ({len(left)} in all) has no TensorRT-LLM mapping; "
+                f"unsupported architecture feature"
+            )
 
 
 def _shape(cfg) -> dict:
     nh = int(_get(cfg, "num_attention_heads"))
     d = int(_get(cfg, "hidden_size"))
-    return dict(hidden=d, inter=int(_get(cfg, "intermediate_size")), layers=int(_get(cfg, "num_hidden_layers")),
-                heads=nh, kv_heads=int(_get(cfg, "num_key_value_heads", nh)),
-                head_dim=int(_get(cfg, "head_dim", d // nh)),
-                vocab=int(_get(cfg, "vocab_size")))
+    return dict(
+        hidden=d,
+        inter=int(_get(cfg, "intermediate_size")),
+        layers=int(_get(cfg, "num_hidden_layers")),
+        heads=nh,
+        kv_heads=int(_get(cfg, "num_key_value_heads", nh)),
+        head_dim=int(_get(cfg, "head_dim", d // nh)),
+        vocab=int(_get(cfg, "vocab_size")),
+    )
 
 
 def _check_tp(shp: dict, tp: int) -> None:
     if tp < 1:
         raise ConfigError(f"tp_size={tp}: must be >= 1")
-    for field, n in (("num_attention_heads", shp["heads"]), ("intermediate_size", shp["inter"]),
-                     ("hidden_size", shp["hidden"])):
+    for field, n in (
+        ("num_attention_heads", shp["heads"]),
+        ("intermediate_size", shp["inter"]),
+        ("hidden_size", shp["hidden"]),
+    ):
         if n % tp:
             raise ConfigError(f"tp_size={tp} does not divide {field}={n}; choose a tp_size that does")
     kv = shp["kv_heads"]
@@ -163,27 +180,51 @@ def _layer(rd: _Reader, hp: str, tn: str, shp: dict, tp: int, rank: int, dtype, 
 def _trt_config(arch: str, shp: dict, cfg, tp: int, dtype: str, algo, kv_algo, exclude: list, **extra) -> dict:
     theta, scaling = _rope(cfg)
     return {
-        "architecture": arch, "dtype": dtype, "logits_dtype": "float32",
-        "vocab_size": shp["vocab"], "hidden_size": shp["hidden"], "num_hidden_layers": shp["layers"],
-        "num_attention_heads": shp["heads"], "num_key_value_heads": shp["kv_heads"], "head_size": shp["head_dim"],
-        "intermediate_size": shp["inter"], "hidden_act": _get(cfg, "hidden_act", "silu"),
-        "norm_epsilon": float(_get(cfg, "rms_norm_eps", 1e-6)), "position_embedding_type": "rope_gpt_neox",
+        "architecture": arch,
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": shp["vocab"],
+        "hidden_size": shp["hidden"],
+        "num_hidden_layers": shp["layers"],
+        "num_attention_heads": shp["heads"],
+        "num_key_value_heads": shp["kv_heads"],
+        "head_size": shp["head_dim"],
+        "intermediate_size": shp["inter"],
+        "hidden_act": _get(cfg, "hidden_act", "silu"),
+        "norm_epsilon": float(_get(cfg, "rms_norm_eps", 1e-6)),
+        "position_embedding_type": "rope_gpt_neox",
         "max_position_embeddings": int(_get(cfg, "max_position_embeddings", 32768)),
-        "rotary_embedding_dim": shp["head_dim"], "rotary_base": theta, "rotary_scaling": scaling,
+        "rotary_embedding_dim": shp["head_dim"],
+        "rotary_base": theta,
+        "rotary_scaling": scaling,
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1, "cp_size": 1},
-        "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
-                         "group_size": 16 if algo == "NVFP4" else 128,
-                         "smoothquant_val": 0.5, "clamp_val": None, "use_meta_recipe": False, "has_zero_point": False,
-                         "pre_quant_scale": False, "exclude_modules": exclude if algo else None},
-        "use_parallel_embedding": False, "embedding_sharding_dim": 0, **extra,
+        "quantization": {
+            "quant_algo": algo,
+            "kv_cache_quant_algo": kv_algo,
+            "group_size": 16 if algo == "NVFP4" else 128,
+            "smoothquant_val": 0.5,
+            "clamp_val": None,
+            "use_meta_recipe": False,
+            "has_zero_point": False,
+            "pre_quant_scale": False,
+            "exclude_modules": exclude if algo else None,
+        },
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        **extra,
     }
 
 
 def _plain_linears(weights: dict) -> list[str]:
     """TRT-LLM linear modules left in high precision (the exclude_modules of a quantised checkpoint)."""
-    return [k[: -len(".weight")] for k, v in weights.items()
-            if k.endswith(".weight") and k.rsplit(".", 2)[-2] in LINEAR_LEAVES and v.is_floating_point()
-            and v.dtype != torch.float8_e4m3fn]
+    return [
+        k[: -len(".weight")]
+        for k, v in weights.items()
+        if k.endswith(".weight")
+        and k.rsplit(".", 2)[-2] in LINEAR_LEAVES
+        and v.is_floating_point()
+        and v.dtype != torch.float8_e4m3fn
+    ]
 
 
 def _write(out_dir, config: dict, ranks: list[dict]) -> Path:
@@ -200,8 +241,15 @@ def _dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def convert_target(src, out_dir, tp_size: int = 1, dtype: str = "bfloat16", quant=None,
-                   act_amax: dict | None = None, kv_cache: str | None = None) -> Path:
+def convert_target(
+    src,
+    out_dir,
+    tp_size: int = 1,
+    dtype: str = "bfloat16",
+    quant=None,
+    act_amax: dict | None = None,
+    kv_cache: str | None = None,
+) -> Path:
     """HF Qwen2 / Qwen3 / Llama target (folder, or (state_dict, transformers config or dict)) ->
     TensorRT-LLM checkpoint in out_dir. quant: None | 'fp8' | 'fp8_per_channel' | 'nvfp4' |
     hf_quant_config dict (state already quantised; a folder's hf_quant_config.json is used too)."""
@@ -220,8 +268,17 @@ def convert_target(src, out_dir, tp_size: int = 1, dtype: str = "bfloat16", quan
         embed = rd.tensor("model.embed_tokens.weight")
         w = {"transformer.vocab_embedding.weight": embed.to(tdt)}
         for i in range(shp["layers"]):
-            w |= _layer(rd, f"model.layers.{i}.", f"transformer.layers.{i}.", shp, tp_size, rank, tdt,
-                        family == "qwen3", kv_algo == "FP8")
+            w |= _layer(
+                rd,
+                f"model.layers.{i}.",
+                f"transformer.layers.{i}.",
+                shp,
+                tp_size,
+                rank,
+                tdt,
+                family == "qwen3",
+                kv_algo == "FP8",
+            )
         w["transformer.ln_f.weight"] = rd.tensor("model.norm.weight").to(tdt)
         lm = rd.tensor("lm_head.weight") if "lm_head.weight" in state else embed  # tied embeddings
         pad = -shp["vocab"] % tp_size
@@ -230,20 +287,36 @@ def convert_target(src, out_dir, tp_size: int = 1, dtype: str = "bfloat16", quan
         w["lm_head.weight"] = lm.chunk(tp_size, dim=0)[rank].to(tdt)
         rd.check_all_used("target")
         ranks.append(w)
-    arch = (_get(cfg, "architectures") or [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                            "llama": "LlamaForCausalLM"}[family]])[0]
-    extra = {"qk_layernorm": family == "qwen3", "mlp_bias": bool(_get(cfg, "mlp_bias", False)),
-             "attn_bias": family == "qwen2" or bool(_get(cfg, "attention_bias", False)),
-             "tie_word_embeddings": bool(_get(cfg, "tie_word_embeddings", False))}
+    arch = (
+        _get(cfg, "architectures")
+        or [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[family]]
+    )[0]
+    extra = {
+        "qk_layernorm": family == "qwen3",
+        "mlp_bias": bool(_get(cfg, "mlp_bias", False)),
+        "attn_bias": family == "qwen2" or bool(_get(cfg, "attention_bias", False)),
+        "tie_word_embeddings": bool(_get(cfg, "tie_word_embeddings", False)),
+    }
     if family in ("qwen2", "qwen3"):
-        extra |= {"qwen_type": family, "seq_length": int(_get(cfg, "seq_length", 8192)), "use_logn_attn": False,
-                  "disable_weight_only_quant_plugin": False}
+        extra |= {
+            "qwen_type": family,
+            "seq_length": int(_get(cfg, "seq_length", 8192)),
+            "use_logn_attn": False,
+            "disable_weight_only_quant_plugin": False,
+        }
     config = _trt_config(arch, shp, cfg, tp_size, dtype, algo, kv_algo, _plain_linears(ranks[0]), **extra)
     return _write(out_dir, config, ranks)
 
 
-def convert_drafter(src, out_dir, tp_size: int = 1, dtype: str = "bfloat16", quant=None,
-                    act_amax: dict | None = None, kv_cache: str | None = None) -> Path:
+def convert_drafter(
+    src,
+    out_dir,
+    tp_size: int = 1,
+    dtype: str = "bfloat16",
+    quant=None,
+    act_amax: dict | None = None,
+    kv_cache: str | None = None,
+) -> Path:
     """DFlash drafter (z-lab folder, or (state_dict, config dict | DrafterConfig)) -> TensorRT-LLM
     style checkpoint (architecture DFlashDraftModel) in out_dir. quant as in convert_target."""
     state, cfg, hf_qc = _read_source(src, "drafter")
@@ -252,6 +325,12 @@ def convert_drafter(src, out_dir, tp_size: int = 1, dtype: str = "bfloat16", qua
     missing += [f"dflash_config.{k}" for k in ("mask_token_id", "target_layer_ids") if k not in dc]
     if missing:
         raise ConfigError(f"drafter config lacks {', '.join(missing)}: is this a z-lab DFlash drafter config?")
+    beyond = DrafterConfig.from_json_dict(cfg).beyond_paper()  # also refuses DFlash 2 and unknown fields
+    if beyond:  # the TensorRT-LLM drafter is the paper's: it would build an engine that drafts wrongly
+        raise ConfigError(
+            f"drafter config sets {', '.join(beyond)}: the TensorRT-LLM drafter does not implement "
+            f"them; serve this drafter with the PyTorch engine"
+        )
     state, algo, kv_algo = _resolve_quant(state, hf_qc, quant, act_amax, kv_cache)
     shp, tdt = _shape(cfg), _dtype(dtype)
     _check_tp(shp, tp_size)
@@ -266,11 +345,24 @@ def convert_drafter(src, out_dir, tp_size: int = 1, dtype: str = "bfloat16", qua
         rd.check_all_used("drafter")
         ranks.append(w)
     ids = [int(i) for i in dc["target_layer_ids"]]
-    config = _trt_config(DRAFTER_ARCH, shp, cfg, tp_size, dtype, algo, kv_algo, _plain_linears(ranks[0]),
-                         qk_layernorm=True, mlp_bias=False, attn_bias=bool(_get(cfg, "attention_bias", False)),
-                         block_size=int(_get(cfg, "block_size")), mask_token_id=int(dc["mask_token_id"]),
-                         target_layer_ids=ids, num_target_layers=int(_get(cfg, "num_target_layers")),
-                         fc_in_features=len(ids) * shp["hidden"])
+    config = _trt_config(
+        DRAFTER_ARCH,
+        shp,
+        cfg,
+        tp_size,
+        dtype,
+        algo,
+        kv_algo,
+        _plain_linears(ranks[0]),
+        qk_layernorm=True,
+        mlp_bias=False,
+        attn_bias=bool(_get(cfg, "attention_bias", False)),
+        block_size=int(_get(cfg, "block_size")),
+        mask_token_id=int(dc["mask_token_id"]),
+        target_layer_ids=ids,
+        num_target_layers=int(_get(cfg, "num_target_layers")),
+        fc_in_features=len(ids) * shp["hidden"],
+    )
     return _write(out_dir, config, ranks)
 
 
@@ -297,19 +389,23 @@ def merge_ranks(out_dir) -> dict[str, torch.Tensor]:
     ranks = [load_file(str(f)) for f in files]
     if any(set(r) != set(ranks[0]) for r in ranks):
         raise CheckpointError(f"{folder}: ranks hold different tensor names")
-    prefixes = sorted({k[: -len("weight")] for k in ranks[0] if k.endswith(".weight")
-                       and k.rsplit(".", 2)[-2] in LINEAR_LEAVES})
+    prefixes = sorted(
+        {k[: -len("weight")] for k in ranks[0] if k.endswith(".weight") and k.rsplit(".", 2)[-2] in LINEAR_LEAVES}
+    )
     out: dict[str, torch.Tensor] = {}
     for p in prefixes:
         lins = [T.from_trt(r, p) for r in ranks]
         leaf = p[:-1].rsplit(".", 1)[-1]
-        merged = _merge_qkv(lins, cfg, tp) if leaf == "qkv" else \
-            T.cat_cols(lins) if leaf in ROW_PARALLEL else T.cat_rows(lins)
+        merged = (
+            _merge_qkv(lins, cfg, tp)
+            if leaf == "qkv"
+            else T.cat_cols(lins) if leaf in ROW_PARALLEL else T.cat_rows(lins)
+        )
         if p == "lm_head.":
             merged = merged.replace(weight=merged.weight[: cfg["vocab_size"]])
         out |= T.to_trt(merged, p)
     for k, v in ranks[0].items():
-        if k in out or any(k.startswith(p) and k[len(p):].count(".") == 0 for p in prefixes):
+        if k in out or any(k.startswith(p) and k[len(p) :].count(".") == 0 for p in prefixes):
             continue
         if any(not torch.equal(r[k], v) for r in ranks[1:]):
             raise CheckpointError(f"{folder}: replicated tensor {k} differs between ranks")

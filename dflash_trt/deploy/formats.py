@@ -22,7 +22,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
-FP8_MIN_SUBNORMAL = 2.0 ** -9  # block scales are clamped here so tiny blocks do not become 0
+FP8_MIN_SUBNORMAL = 2.0**-9  # block scales are clamped here so tiny blocks do not become 0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
 
 
@@ -71,7 +71,7 @@ def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor
 def fp8_half_step(y: torch.Tensor) -> torch.Tensor:
     """Half the distance between neighbouring E4M3 values around |y| (y in units of the scale):
     ulp = 2^(e - 3) for normal |y| >= 2^-6 (e = floor(log2 |y|)), 2^-9 for subnormals."""
-    a = y.abs().float().clamp(min=2.0 ** -6)
+    a = y.abs().float().clamp(min=2.0**-6)
     return torch.exp2(torch.floor(torch.log2(a)) - 3) / 2
 
 
@@ -127,8 +127,10 @@ def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
 
 def _check_blocks(w: torch.Tensor, what: str = "tensor") -> None:
     if w.dim() != 2 or w.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 needs a 2-D {what} whose input dim is a multiple of {NVFP4_BLOCK}; "
-                         f"got shape {tuple(w.shape)} (exclude this layer from quantization)")
+        raise ValueError(
+            f"NVFP4 needs a 2-D {what} whose input dim is a multiple of {NVFP4_BLOCK}; "
+            f"got shape {tuple(w.shape)} (exclude this layer from quantization)"
+        )
 
 
 def nvfp4_block_scale(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -140,8 +142,9 @@ def nvfp4_block_scale(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tens
     return s.clamp(min=FP8_MIN_SUBNORMAL, max=FP8_MAX).to(FP8_DTYPE)
 
 
-def nvfp4_quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None,
-                   block_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None, block_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w: [out, in] float (in % 16 == 0). Returns (packed uint8 [out, in/2], weight_scale fp8
     [out, in/16], weight_scale_2 float32 []). Pass global_scale to share it across fused layers."""
     _check_blocks(w)
@@ -152,8 +155,9 @@ def nvfp4_quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None,
     return pack_e2m1(e2m1_encode(y.flatten(-2))), bs, gs
 
 
-def nvfp4_dequantize(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def nvfp4_dequantize(
+    packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """packed: uint8 [out, in/2]; weight_scale: fp8 [out, in/16]; weight_scale_2: []. -> [out, in]."""
     vals = e2m1_decode(unpack_e2m1(packed)).unflatten(-1, (-1, NVFP4_BLOCK))
     eff = weight_scale.float() * weight_scale_2.float().reshape(())

@@ -7,48 +7,24 @@ Boundary: files only (safetensors + JSON), written atomically. A folder holds
   config.json            the model's config (HF or z-lab drafter layout) plus `quantization_config`
                           as modelopt writes it (quant_method "modelopt")
 Tensor maths lives in quantize.py / formats.py. Folder writes here (and in convert.py) go through
-atomic_dir: the folder is built under a temporary name next to it and renamed into place, so a
-reader sees either the old folder or the complete new one.
+atomic_dir (dflash_trt/atomic.py): the folder is built under a temporary name next to it and
+renamed into place, so a reader sees either the old folder or the complete new one.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trt.atomic import atomic_dir
+from dflash_trt.deploy.quantize import STATIC_ACT, hf_quantization_config, quantized_modules
 from dflash_trt.errors import CheckpointError, ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
 QUANT_CONFIG_NAME = "hf_quant_config.json"
-
-
-@contextmanager
-def atomic_dir(folder: str | Path):
-    """with atomic_dir(out) as tmp: write files into tmp; on success tmp becomes `out` (an existing
-    `out` is moved aside first and removed last); on error tmp is removed and `out` is untouched."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        yield tmp
-        old = None
-        if folder.exists():
-            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _config_dict(config) -> dict:
@@ -77,24 +53,31 @@ def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_quantized_checkpoint(folder: str | Path, qstate: dict[str, torch.Tensor], hf_quant_config: dict,
-                              config=None, require_input_scales: bool = True) -> Path:
+def save_quantized_checkpoint(
+    folder: str | Path,
+    qstate: dict[str, torch.Tensor],
+    hf_quant_config: dict,
+    config=None,
+    require_input_scales: bool = True,
+) -> Path:
     """Write qstate + hf_quant_config.json + config.json (with quantization_config) to `folder`.
     require_input_scales: refuse FP8/NVFP4 checkpoints without activation scales, since modelopt
     consumers (TensorRT-LLM, vLLM) need them; pass False for simulation-only checkpoints."""
-    from dflash_trt.deploy.quantize import STATIC_ACT, hf_quantization_config, quantized_modules
-
     algo = hf_quant_config.get("quantization", {}).get("quant_algo")
     mods = quantized_modules(qstate)
     if algo is not None and not mods:
-        raise ConfigError(f"hf_quant_config says quant_algo={algo} but the state dict has no '<module>.weight_scale' "
-                          f"tensors; quantise it with quantize_state_dict first")
+        raise ConfigError(
+            f"hf_quant_config says quant_algo={algo} but the state dict has no '<module>.weight_scale' "
+            f"tensors; quantise it with quantize_state_dict first"
+        )
     if require_input_scales and algo in STATIC_ACT:
         missing = [m for m in mods if f"{m}.input_scale" not in qstate]
         if missing:
-            raise ConfigError(f"{missing[0]}.input_scale missing ({len(missing)} layers): {algo} needs calibrated "
-                              f"activation scales; pass act_amax=calibrate_act_amax(...) to quantize_state_dict "
-                              f"(or require_input_scales=False for a simulation-only checkpoint)")
+            raise ConfigError(
+                f"{missing[0]}.input_scale missing ({len(missing)} layers): {algo} needs calibrated "
+                f"activation scales; pass act_amax=calibrate_act_amax(...) to quantize_state_dict "
+                f"(or require_input_scales=False for a simulation-only checkpoint)"
+            )
     cfg = _config_dict(config)
     cfg["quantization_config"] = hf_quantization_config(hf_quant_config)
     folder = Path(folder)
@@ -115,8 +98,6 @@ def _read_json(path: Path) -> dict:
 def load_quantized_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Read a folder written by save_quantized_checkpoint (or a modelopt HF export with one or more
     *.safetensors files). Returns (qstate, hf_quant_config, config dict)."""
-    from dflash_trt.deploy.quantize import quantized_modules
-
     folder = Path(folder)
     qpath = folder / QUANT_CONFIG_NAME
     if not qpath.is_file():

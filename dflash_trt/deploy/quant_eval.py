@@ -12,7 +12,12 @@ and how often the quantized pair emits the same greedy tokens as the bf16 pair.
 
 from __future__ import annotations
 
-from dflash_trt.deploy.stages import write_json
+from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, stop_ids
+from dflash_trt.config import SamplingParams
+from dflash_trt.decoding.loop import generate
+from dflash_trt.deploy.files import write_json
+from dflash_trt.errors import ConfigError
+from dflash_trt.train.data import load_prompts
 
 # Held-out prompts: written for this report, never used for calibration (calibration uses stdlib
 # docstring prompts) or training. Mixed code / prose / arithmetic, short enough for CPU runs.
@@ -39,13 +44,11 @@ BUILTIN_PROMPTS = (
 def eval_prompts(source: str, n: int) -> list[str]:
     if source == "builtin":
         if n > len(BUILTIN_PROMPTS):
-            from dflash_trt.errors import ConfigError
-
-            raise ConfigError(f"eval_prompts={n}: the builtin set has {len(BUILTIN_PROMPTS)} prompts; lower it or "
-                              f"set eval_source: humaneval | writingbench | FILE")
+            raise ConfigError(
+                f"eval_prompts={n}: the builtin set has {len(BUILTIN_PROMPTS)} prompts; lower it or "
+                f"set eval_source: humaneval | writingbench | FILE"
+            )
         return list(BUILTIN_PROMPTS[:n])
-    from dflash_trt.train.data import load_prompts
-
     return load_prompts(source, n)
 
 
@@ -61,14 +64,14 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
         prefix.append(first / len(r) if r else 1.0)
         exact += int(r == g)
     n = max(len(ref), 1)
-    return {"token_agreement": match / total if total else 1.0, "prefix_agreement": sum(prefix) / n,
-            "exact_match": exact / n}
+    return {
+        "token_agreement": match / total if total else 1.0,
+        "prefix_agreement": sum(prefix) / n,
+        "exact_match": exact / n,
+    }
 
 
 def _run_pair(target_dir, drafter_dir, ids, params, dtype):
-    from dflash_trt.api import load_drafter, load_target
-    from dflash_trt.decoding.loop import generate
-
     target, _ = load_target(str(target_dir), dtype, progress=False)
     drafter = load_drafter(target, str(drafter_dir))
     out = generate(target, drafter, ids, params)
@@ -76,9 +79,6 @@ def _run_pair(target_dir, drafter_dir, ids, params, dtype):
 
 
 def evaluate_quantized(ctx) -> dict:
-    from dflash_trt.config import SamplingParams
-    from dflash_trt.api import encode, load_tokenizer, stop_ids
-
     cfg = ctx.cfg
     tok = load_tokenizer(ctx.dirs["tokenizer"])
     chat = bool(getattr(tok, "chat_template", None))
@@ -87,11 +87,21 @@ def evaluate_quantized(ctx) -> dict:
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=stop_ids(tok))
     ref, tau_ref = _run_pair(ctx.dirs["target"], ctx.dirs["drafter"], ids, params, cfg.dtype)
     got, tau_q = _run_pair(ctx.model_dir("target"), ctx.model_dir("drafter"), ids, params, cfg.dtype)
-    res = {"prompts": len(ids), "source": cfg.eval_source, "max_new_tokens": cfg.eval_max_new_tokens,
-           "target_quant": cfg.target_quant, "drafter_quant": cfg.drafter_quant, "dtype": cfg.dtype,
-           "tau_bf16": tau_ref, "tau_quantized": tau_q, **agreement(ref, got),
-           "note": "bf16 pair = the input folders at `dtype`; quantized pair = dequantised fp8/nvfp4 weights"}
+    res = {
+        "prompts": len(ids),
+        "source": cfg.eval_source,
+        "max_new_tokens": cfg.eval_max_new_tokens,
+        "target_quant": cfg.target_quant,
+        "drafter_quant": cfg.drafter_quant,
+        "dtype": cfg.dtype,
+        "tau_bf16": tau_ref,
+        "tau_quantized": tau_q,
+        **agreement(ref, got),
+        "note": "bf16 pair = the input folders at `dtype`; quantized pair = dequantised fp8/nvfp4 weights",
+    }
     write_json(ctx.work / "eval" / "eval.json", res)
-    ctx.echo(f"eval: tau bf16 {tau_ref:.2f} vs quantized {tau_q:.2f}; greedy token agreement "
-             f"{res['token_agreement']:.1%}, exact match {res['exact_match']:.0%} on {len(ids)} held-out prompts")
+    ctx.echo(
+        f"eval: tau bf16 {tau_ref:.2f} vs quantized {tau_q:.2f}; greedy token agreement "
+        f"{res['token_agreement']:.1%}, exact match {res['exact_match']:.0%} on {len(ids)} held-out prompts"
+    )
     return res

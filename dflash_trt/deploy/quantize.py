@@ -5,7 +5,7 @@ layers: q/k/v/o_proj, gate/up/down_proj, and the DFlash drafter's `fc`; norms, e
 lm_head stay in high precision), computes scales with the number formats of formats.py, writes the
 modelopt tensor names and hf_quant_config.json content, and dequantises for the CPU simulation
 path. Also: activation-amax calibration hooks and the GPU-generation check. File I/O lives in
-hf_checkpoint.py (re-exported here).
+hf_checkpoint.py, which builds on this module.
 
 Layout per quantised linear `<m>` (modelopt unified HF export):
   FP8                        <m>.weight fp8 [out,in], <m>.weight_scale f32 [], <m>.input_scale f32 []
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from dflash_trt.deploy import formats as F
 from dflash_trt.errors import ConfigError
@@ -36,8 +37,9 @@ SM_ARCHS = {"sm_90": "Hopper", "sm_100": "Blackwell", "sm_120": "Blackwell"}
 DEFAULT_EXCLUDE = ("lm_head",)
 
 # <prefix>layers.<i>.self_attn.{q,k,v,o}_proj / mlp.{gate,up,down}_proj, or the drafter's fc.
-_QUANTIZABLE = re.compile(r"^(?:(?P<layer>(?:.*\.)?layers\.\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)"
-                          r"|(?:.*\.)?fc)$")
+_QUANTIZABLE = re.compile(
+    r"^(?:(?P<layer>(?:.*\.)?layers\.\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)" r"|(?:.*\.)?fc)$"
+)
 _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 
@@ -57,8 +59,9 @@ def check_quant_target(fmt: str | None, sm: str, kv_cache: str | None = None) ->
         raise ConfigError(f"gpu_arch={sm}: unsupported; use sm_90 (Hopper), sm_100 or sm_120 (Blackwell)")
     algo = algo_of(fmt)
     if algo == "NVFP4" and SM_ARCHS[sm] != "Blackwell":
-        raise ConfigError(f"quantization.weights={fmt} needs Blackwell (sm_100/sm_120); "
-                          f"gpu_arch={sm} is {SM_ARCHS[sm]}: use fp8")
+        raise ConfigError(
+            f"quantization.weights={fmt} needs Blackwell (sm_100/sm_120); " f"gpu_arch={sm} is {SM_ARCHS[sm]}: use fp8"
+        )
     if kv_cache is not None and str(kv_cache).lower() not in ("none", "fp8"):
         raise ConfigError(f"quantization.kv_cache={kv_cache}: unknown; use none or fp8")
 
@@ -91,8 +94,9 @@ def _fusion_groups(modules: list[str]) -> list[list[str]]:
     return groups
 
 
-def make_hf_quant_config(algo: str | None, kv_cache_quant_algo: str | None = None,
-                         exclude: Iterable[str] = DEFAULT_EXCLUDE) -> dict:
+def make_hf_quant_config(
+    algo: str | None, kv_cache_quant_algo: str | None = None, exclude: Iterable[str] = DEFAULT_EXCLUDE
+) -> dict:
     """hf_quant_config.json content in modelopt's layout."""
     q: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_quant_algo}
     if algo == "NVFP4":
@@ -108,16 +112,23 @@ def hf_quantization_config(hf_quant_config: dict) -> dict:
     algo, out = q.get("quant_algo"), {}
     fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
     if algo == "FP8":
-        out["config_groups"] = {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8),
-                                            "targets": ["Linear"]}}
+        out["config_groups"] = {
+            "group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}
+        }
     elif algo == "FP8_PER_CHANNEL_PER_TOKEN":
-        out["config_groups"] = {"group_0": {"input_activations": dict(fp8), "targets": ["Linear"],
-                                            "weights": {**fp8, "strategy": "channel"}}}
+        out["config_groups"] = {
+            "group_0": {
+                "input_activations": dict(fp8),
+                "targets": ["Linear"],
+                "weights": {**fp8, "strategy": "channel"},
+            }
+        }
     elif algo == "NVFP4":
         gs = q.get("group_size", F.NVFP4_BLOCK)
         fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs}
-        out["config_groups"] = {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4),
-                                            "targets": ["Linear"]}}
+        out["config_groups"] = {
+            "group_0": {"input_activations": dict(fp4), "weights": dict(fp4), "targets": ["Linear"]}
+        }
     out["ignore"] = list(q.get("exclude_modules") or [])
     if algo:
         out["quant_algo"] = algo
@@ -130,9 +141,13 @@ def hf_quantization_config(hf_quant_config: dict) -> dict:
     return out
 
 
-def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str, exclude: Iterable[str] = DEFAULT_EXCLUDE,
-                        act_amax: Mapping[str, float] | None = None,
-                        kv_cache: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def quantize_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    fmt: str,
+    exclude: Iterable[str] = DEFAULT_EXCLUDE,
+    act_amax: Mapping[str, float] | None = None,
+    kv_cache: str | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Quantise the decoder-layer Linear weights of an HF (or drafter) state dict.
 
     state_dict: name -> tensor (Linear weights [out, in]); fmt: 'fp8' | 'fp8_per_channel' | 'nvfp4';
@@ -160,8 +175,10 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str, exclud
         if act_amax is not None and algo in STATIC_ACT:
             missing = [m for m in group if m not in act_amax]
             if missing:
-                raise ConfigError(f"act_amax has no entry for {missing[0]}: the calibration run never reached "
-                                  f"it; calibrate with prompts that run every layer, or exclude it")
+                raise ConfigError(
+                    f"act_amax has no entry for {missing[0]}: the calibration run never reached "
+                    f"it; calibrate with prompts that run every layer, or exclude it"
+                )
             in_scale = F.input_scale_from_amax(max(float(act_amax[m]) for m in group), algo)
         for m, w in zip(group, ws):
             if algo == "NVFP4":
@@ -183,14 +200,17 @@ def quantized_modules(qstate: Mapping[str, torch.Tensor]) -> list[str]:
     return [k[: -len(".weight_scale")] for k in qstate if k.endswith(".weight_scale")]
 
 
-def dequantize_state_dict(qstate: Mapping[str, torch.Tensor], hf_quant_config: dict,
-                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def dequantize_state_dict(
+    qstate: Mapping[str, torch.Tensor], hf_quant_config: dict, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Inverse of quantize_state_dict for simulation: quantised weights become `dtype` tensors
     [out, in]; scale tensors are dropped; every other tensor is passed through unchanged."""
     algo = hf_quant_config.get("quantization", {}).get("quant_algo")
     if algo not in (None, *ALGOS.values()):
-        raise ConfigError(f"hf_quant_config.json quantization.quant_algo={algo}: unsupported; "
-                          f"supported: {', '.join(ALGOS.values())}")
+        raise ConfigError(
+            f"hf_quant_config.json quantization.quant_algo={algo}: unsupported; "
+            f"supported: {', '.join(ALGOS.values())}"
+        )
     mods = set(quantized_modules(qstate))
     out = {}
     for k, v in qstate.items():
@@ -209,13 +229,16 @@ def dequantize_state_dict(qstate: Mapping[str, torch.Tensor], hf_quant_config: d
 
 
 @torch.no_grad()
-def calibrate_act_amax(model: nn.Module, run_one: Callable[[object], object], prompts: Iterable,
-                       progress: bool = True, only_quantizable: bool = True) -> dict[str, float]:
+def calibrate_act_amax(
+    model: nn.Module,
+    run_one: Callable[[object], object],
+    prompts: Iterable,
+    progress: bool = True,
+    only_quantizable: bool = True,
+) -> dict[str, float]:
     """Run `run_one(prompt)` (which runs `model` on one calibration prompt or batch) for every prompt,
     with forward-pre-hooks on the model's nn.Linear layers that record max |input|.
     Returns module name -> amax, the `act_amax` of quantize_state_dict."""
-    from tqdm.auto import tqdm
-
     amax: dict[str, float] = {}
     hooks = []
 
@@ -224,14 +247,17 @@ def calibrate_act_amax(model: nn.Module, run_one: Callable[[object], object], pr
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.numel():
                 amax[name] = max(amax.get(name, 0.0), float(x.detach().abs().amax()))
+
         return fn
 
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and (not only_quantizable or _QUANTIZABLE.match(name)):
             hooks.append(mod.register_forward_pre_hook(hook(name)))
     if not hooks:
-        raise ConfigError("calibration: the model has no quantisable nn.Linear layers "
-                          "(expected names like model.layers.0.self_attn.q_proj)")
+        raise ConfigError(
+            "calibration: the model has no quantisable nn.Linear layers "
+            "(expected names like model.layers.0.self_attn.q_proj)"
+        )
     try:
         prompts = list(prompts)
         for p in tqdm(prompts, desc="calibrating activations", disable=not progress or len(prompts) < 2):
@@ -240,6 +266,3 @@ def calibrate_act_amax(model: nn.Module, run_one: Callable[[object], object], pr
         for h in hooks:
             h.remove()
     return amax
-
-
-from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint  # noqa: E402,F401

@@ -23,20 +23,48 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
+from dflash_trt.atomic import atomic_dir
 from dflash_trt.deploy import stages as S
 from dflash_trt.deploy.build_config import BuildConfig
+from dflash_trt.deploy.check import resolve_inputs
+from dflash_trt.deploy.files import copy_tree, write_json
 from dflash_trt.errors import DFlashError
 
 SCHEMA = 1
 MANIFEST = "build.json"
-PACKAGES = ("dflash-trt", "torch", "transformers", "safetensors", "tokenizers", "numpy", "PyYAML", "tensorrt_llm",
-            "tensorrt", "nvidia-modelopt", "triton", "tritonclient", "nvidia-pytriton")
-MODEL_OPTS = ("target", "drafter", "tokenizer", "backend", "target_quant", "drafter_quant", "kv_cache", "sm",
-              "tp_size", "max_batch", "max_seq_len")
+PACKAGES = (
+    "dflash-trt",
+    "torch",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "PyYAML",
+    "tensorrt_llm",
+    "tensorrt",
+    "nvidia-modelopt",
+    "triton",
+    "tritonclient",
+    "nvidia-pytriton",
+)
+MODEL_OPTS = (
+    "target",
+    "drafter",
+    "tokenizer",
+    "backend",
+    "target_quant",
+    "drafter_quant",
+    "kv_cache",
+    "sm",
+    "tp_size",
+    "max_batch",
+    "max_seq_len",
+)
 
 
 @dataclass(frozen=True)
@@ -51,21 +79,63 @@ class Stage:
 
 STAGES = (
     Stage("check", S.stage_check, ("check",), MODEL_OPTS),
-    Stage("quantize", S.stage_quantize, ("quantized",),
-          ("target_quant", "drafter_quant", "kv_cache", "calib_prompts", "calib_source", "max_seq_len"),
-          ("check",), lambda c: c.quantized),
-    Stage("convert", S.stage_convert, ("trtllm_ckpt",), ("backend", "tp_size", "dtype", "kv_cache"),
-          ("check", "quantize"), lambda c: c.backend == "tensorrt-llm"),
-    Stage("engine", S.stage_engine, ("engine",),
-          ("backend", "dtype", "max_batch", "max_seq_len", "tp_size", "kv_cache", "plugins_dir"),
-          ("check", "quantize", "convert")),
-    Stage("repo", S.stage_repo, ("model_repo",),
-          ("backend", "max_batch", "max_seq_len", "dtype", "triton_max_batch_size", "instance_count", "chat", "decoupled",
-           "cpu_threads", "draft_cutoff"), ("engine",)),
-    Stage("emit", S.stage_emit, ("serve",), ("emit", "tp_size", "max_batch", "max_seq_len", "kv_cache"),
-          ("check", "quantize"), lambda c: bool(c.emit)),
-    Stage("eval", S.stage_eval, ("eval",), ("eval_prompts", "eval_source", "eval_max_new_tokens", "dtype", "max_seq_len"),
-          ("check", "quantize"), lambda c: c.quantized and c.eval_prompts > 0),
+    Stage(
+        "quantize",
+        S.stage_quantize,
+        ("quantized",),
+        ("target_quant", "drafter_quant", "kv_cache", "calib_prompts", "calib_source", "max_seq_len"),
+        ("check",),
+        lambda c: c.quantized,
+    ),
+    Stage(
+        "convert",
+        S.stage_convert,
+        ("trtllm_ckpt",),
+        ("backend", "tp_size", "dtype", "kv_cache"),
+        ("check", "quantize"),
+        lambda c: c.backend == "tensorrt-llm",
+    ),
+    Stage(
+        "engine",
+        S.stage_engine,
+        ("engine",),
+        ("backend", "dtype", "max_batch", "max_seq_len", "tp_size", "kv_cache", "plugins_dir"),
+        ("check", "quantize", "convert"),
+    ),
+    Stage(
+        "repo",
+        S.stage_repo,
+        ("model_repo",),
+        (
+            "backend",
+            "max_batch",
+            "max_seq_len",
+            "dtype",
+            "triton_max_batch_size",
+            "instance_count",
+            "chat",
+            "decoupled",
+            "cpu_threads",
+            "draft_cutoff",
+        ),
+        ("engine",),
+    ),
+    Stage(
+        "emit",
+        S.stage_emit,
+        ("serve",),
+        ("emit", "tp_size", "max_batch", "max_seq_len", "kv_cache"),
+        ("check", "quantize"),
+        lambda c: bool(c.emit),
+    ),
+    Stage(
+        "eval",
+        S.stage_eval,
+        ("eval",),
+        ("eval_prompts", "eval_source", "eval_max_new_tokens", "dtype", "max_seq_len"),
+        ("check", "quantize"),
+        lambda c: c.quantized and c.eval_prompts > 0,
+    ),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -82,14 +152,16 @@ def hash_inputs(dirs: dict[str, Path]) -> dict:
     """sha256 of every (top-level, non-hidden) file of the target / drafter / tokenizer folders."""
     out = {}
     for name, d in dirs.items():
-        out[name] = {"path": str(d), "files": {f.name: sha256_file(f) for f in sorted(d.iterdir())
-                                                if f.is_file() and not f.name.startswith(".")}}
+        out[name] = {
+            "path": str(d),
+            "files": {
+                f.name: sha256_file(f) for f in sorted(d.iterdir()) if f.is_file() and not f.name.startswith(".")
+            },
+        }
     return out
 
 
 def package_versions() -> dict:
-    from importlib import metadata
-
     out = {"python": platform.python_version(), "platform": platform.platform()}
     for p in PACKAGES:
         try:
@@ -100,9 +172,14 @@ def package_versions() -> dict:
 
 
 def _key(stage: Stage, cfg: BuildConfig, inputs: dict, keys: dict, out: Path) -> str:
-    blob = {"schema": SCHEMA, "stage": stage.name, "out": str(out), "after": [keys.get(a) for a in stage.after],
-            "options": {o: getattr(cfg, o) for o in stage.options},
-            "inputs": {k: v["files"] for k, v in inputs.items()}}
+    blob = {
+        "schema": SCHEMA,
+        "stage": stage.name,
+        "out": str(out),
+        "after": [keys.get(a) for a in stage.after],
+        "options": {o: getattr(cfg, o) for o in stage.options},
+        "inputs": {k: v["files"] for k, v in inputs.items()},
+    }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -138,51 +215,54 @@ def _clean_stale_temps(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}-{time.time_ns()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def run_build(cfg: BuildConfig, out_dir: str | Path, force: bool = False, only: str | None = None,
-              echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+def run_build(
+    cfg: BuildConfig,
+    out_dir: str | Path,
+    force: bool = False,
+    only: str | None = None,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict:
     """Run the build (or `only` one stage plus what it depends on) into out_dir; returns build.json."""
-    from dflash_trt.deploy.check import resolve_inputs
-
     out = Path(out_dir).expanduser().resolve()
     want = _selected(only)
     S.preflight(cfg)  # refusals first: nothing may be written before them
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
-        raise DFlashError(f"--out {out}: exists and is not a dflash-trt build folder (no {MANIFEST}); "
-                          f"choose a new or empty folder")
+        raise DFlashError(
+            f"--out {out}: exists and is not a dflash-trt build folder (no {MANIFEST}); "
+            f"choose a new or empty folder"
+        )
     dirs = resolve_inputs(cfg, progress)
     inputs = hash_inputs(dirs)
     old = None if force else read_manifest(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale_temps(out)
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-{os.getpid()}-", dir=out.parent))
-    ctx = S.Context(cfg=cfg, work=tmp, final=out, dirs=dirs, echo=echo, progress=progress)
-    manifest = {"schema": SCHEMA, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": " ".join(sys.argv), "config": cfg.to_dict(), "inputs": inputs,
-                "versions": package_versions(), "stages": {}}
+    manifest = {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "config": cfg.to_dict(),
+        "inputs": inputs,
+        "versions": package_versions(),
+        "stages": {},
+    }
     keys: dict[str, str] = {}
-    try:
+    # failures and Ctrl-C alike drop the temp dir and keep the earlier OUT (dflash_trt/atomic.py)
+    with atomic_dir(out, tag=f"build-{os.getpid()}") as tmp:
+        ctx = S.Context(cfg=cfg, work=tmp, final=out, dirs=dirs, echo=echo, progress=progress)
         for st in STAGES:
             key = keys[st.name] = _key(st, cfg, inputs, keys, out)
             rec: dict = {"key": key, "outputs": list(st.outputs)}
             prev = (old or {}).get("stages", {}).get(st.name, {})
             if not st.needed(cfg):
                 rec.update(status="not needed", outputs=[])
-            elif prev.get("key") == key and prev.get("status") in ("ran", "cached") and \
-                    all((out / o).exists() for o in st.outputs):
+            elif (
+                prev.get("key") == key
+                and prev.get("status") in ("ran", "cached")
+                and all((out / o).exists() for o in st.outputs)
+            ):
                 for o in st.outputs:
-                    S.copy_tree(out / o, tmp / o)
+                    copy_tree(out / o, tmp / o)
                 rec.update(status="cached", seconds=0.0, info=prev.get("info", {}))
                 ctx.info[st.name] = rec["info"]
                 echo(f"{st.name}: unchanged, reused from the previous build")
@@ -196,20 +276,16 @@ def run_build(cfg: BuildConfig, out_dir: str | Path, force: bool = False, only: 
             manifest["stages"][st.name] = rec
         if manifest["stages"]["eval"].get("info"):
             manifest["eval"] = manifest["stages"]["eval"]["info"]
-        S.write_json(tmp / MANIFEST, manifest)
-        _swap_into_place(tmp, out)
-    except BaseException:  # failures and Ctrl-C alike: drop the temp dir, keep the earlier OUT
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp / MANIFEST, manifest)
     return manifest
 
 
 def stage_table(manifest: dict) -> list[tuple[str, str, str]]:
     """(stage, status, seconds) rows for printing."""
-    return [(n, r["status"], f"{r['seconds']:.1f}s" if r.get("seconds") else "")
-            for n, r in manifest["stages"].items()]
+    return [(n, r["status"], f"{r['seconds']:.1f}s" if r.get("seconds") else "") for n, r in manifest["stages"].items()]
 
 
 def config_from_manifest(manifest: dict) -> BuildConfig:
-    return BuildConfig(**{f.name: manifest["config"][f.name] for f in dataclasses.fields(BuildConfig)
-                          if f.name in manifest["config"]})
+    return BuildConfig(
+        **{f.name: manifest["config"][f.name] for f in dataclasses.fields(BuildConfig) if f.name in manifest["config"]}
+    )

@@ -14,8 +14,12 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.config import DrafterConfig
 from dflash_trt.deploy.hf_checkpoint import QUANT_CONFIG_NAME, load_quantized_checkpoint
+from dflash_trt.deploy.quantize import dequantize_state_dict
 from dflash_trt.errors import CheckpointError
+from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES, TargetModel
 
 
 def is_quantized_dir(folder: str | Path | None) -> bool:
@@ -23,8 +27,6 @@ def is_quantized_dir(folder: str | Path | None) -> bool:
 
 
 def _dequantized(folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
-    from dflash_trt.deploy.quantize import dequantize_state_dict
-
     qstate, hf_qc, cfg = load_quantized_checkpoint(folder)
     cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     return dequantize_state_dict(qstate, hf_qc, dtype), cfg
@@ -32,16 +34,16 @@ def _dequantized(folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
 
 def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32):
     """TargetModel whose Linear weights are the dequantised FP8/NVFP4 weights of `folder`."""
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES, TargetModel
 
     folder = Path(folder)
     state, cfg = _dequantized(folder, dtype)
     model_type = cfg.pop("model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{folder}/config.json: model_type={model_type!r}; supported: "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise CheckpointError(
+            f"{folder}/config.json: model_type={model_type!r}; supported: " f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     config = AutoConfig.for_model(model_type, **cfg)
     hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     ours = hf.state_dict()
@@ -51,10 +53,12 @@ def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32
         raise CheckpointError(f"{folder}: missing tensors {missing[:4]} (written by another tool?)")
     for k, t in state.items():
         if k in ours and tuple(t.shape) != tuple(ours[k].shape):
-            raise CheckpointError(f"{folder}: tensor {k} has shape {tuple(t.shape)}, config implies "
-                                  f"{tuple(ours[k].shape)}")
-    hf.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in ours},
-                       strict=False)
+            raise CheckpointError(
+                f"{folder}: tensor {k} has shape {tuple(t.shape)}, config implies " f"{tuple(ours[k].shape)}"
+            )
+    hf.load_state_dict(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in ours}, strict=False
+    )
     if config.tie_word_embeddings:
         hf.tie_weights()
     return TargetModel(hf.eval())
@@ -62,9 +66,6 @@ def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32
 
 def load_quantized_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None):
     """DFlashDrafter whose Linear weights are the dequantised FP8/NVFP4 weights of `folder`."""
-    from dflash_trt.config import DrafterConfig
-    from dflash_trt.modeling.drafter import DFlashDrafter
-
     folder = Path(folder)
     state, cfg = _dequantized(folder, torch.float32)
     return DFlashDrafter.from_state_dict(DrafterConfig.from_json_dict(cfg), state, str(folder), target, dtype)

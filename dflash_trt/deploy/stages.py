@@ -2,7 +2,8 @@
 
 Boundary: what a stage produces. Ordering, caching, the temp dir and build.json live in
 deploy/run.py; the TensorRT-LLM / vLLM / SGLang specifics in deploy/backends.py; the
-quantized-vs-bf16 report in deploy/quant_eval.py; `check` in deploy/check.py.
+quantized-vs-bf16 report in deploy/quant_eval.py; `check` in deploy/check.py; file helpers
+(write_json, copy_tree) in deploy/files.py.
 
 Every stage is `fn(ctx) -> info dict` and writes under `ctx.work` (the temp dir of this build),
 while any path written *into* a file points at `ctx.final` (the out dir the temp dir becomes):
@@ -19,13 +20,28 @@ while any path written *into* a file points at `ctx.final` (the out dir the temp
 from __future__ import annotations
 
 import json
-import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
+import torch
+from safetensors.torch import load_file
+
+from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer
+from dflash_trt.config import SamplingParams
+from dflash_trt.decoding.loop import generate
+from dflash_trt.deploy import backends
 from dflash_trt.deploy.build_config import BuildConfig
+from dflash_trt.deploy.check import check, print_summary
+from dflash_trt.deploy.convert import convert_drafter, convert_target
+from dflash_trt.deploy.files import copy_tree, link_or_copy, write_json
+from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
+from dflash_trt.deploy.quant_eval import evaluate_quantized
+from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict
+from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+from dflash_trt.serving.text import read_chat_template
+from dflash_trt.train.data import load_prompts
 
 # files of a model folder that are not weights: copied next to quantised weights so the folder
 # stays a complete Hugging Face folder (tokenizer, chat template, generation defaults)
@@ -50,22 +66,6 @@ class Context:
         return self.dirs[which]
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link a file when src and dst share a filesystem (model weights are large and never
-    modified in place), else copy it."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def copy_tree(src: Path, dst: Path, files_only: bool = False) -> None:
-    for f in sorted(src.rglob("*") if not files_only else src.iterdir()):
-        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(src).parts):
-            link_or_copy(f, dst / f.relative_to(src))
-
-
 def copy_aux_files(src: Path, dst: Path) -> None:
     """Non-weight files of a HF folder (tokenizer, templates, generation config), not config.json."""
     for f in sorted(src.iterdir()):
@@ -73,28 +73,21 @@ def copy_aux_files(src: Path, dst: Path) -> None:
             link_or_copy(f, dst / f.name)
 
 
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
 # ---- check -------------------------------------------------------------------------------------
 def stage_check(ctx: Context) -> dict:
-    from dflash_trt.deploy.check import check, print_summary
-
     summary = check(ctx.cfg, ctx.dirs)
     write_json(ctx.work / "check" / "summary.json", summary)
     if ctx.progress:
         print_summary(summary)
-    return {"target_params": summary["target"]["params"], "drafter_params": summary["drafter"]["params"],
-            "block_size": summary["drafter"]["block_size"]}
+    return {
+        "target_params": summary["target"]["params"],
+        "drafter_params": summary["drafter"]["params"],
+        "block_size": summary["drafter"]["block_size"],
+    }
 
 
 # ---- quantize ----------------------------------------------------------------------------------
 def _calibration_ids(ctx: Context, tok) -> list[list[int]]:
-    from dflash_trt.api import encode
-    from dflash_trt.train.data import load_prompts
-
     prompts = load_prompts(ctx.cfg.calib_source, ctx.cfg.calib_prompts)
     chat = bool(getattr(tok, "chat_template", None))
     return [encode(tok, p, chat)[: max(8, ctx.cfg.max_seq_len // 2)] for p in prompts]
@@ -103,18 +96,11 @@ def _calibration_ids(ctx: Context, tok) -> list[list[int]]:
 def stage_quantize(ctx: Context) -> dict:
     """Calibrate activation amax on a few prompts, then write FP8 / NVFP4 checkpoints in Model
     Optimizer's HF export layout (quantized/target, quantized/drafter) for the non-bf16 models."""
-    import torch
-    from safetensors.torch import load_file
-
-    from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict, save_quantized_checkpoint
-    from dflash_trt.config import SamplingParams
-    from dflash_trt.api import load_drafter, load_target, load_tokenizer
-    from dflash_trt.decoding.loop import generate
-
     cfg = ctx.cfg
     kv = None if cfg.kv_cache == "bf16" else cfg.kv_cache
-    target, _ = load_target(str(ctx.dirs["target"]), "float32", progress=False,  # calibrate in full precision
-                            packed=False)  # activation hooks need the nn.Linear modules
+    target, _ = load_target(
+        str(ctx.dirs["target"]), "float32", progress=False, packed=False  # calibrate in full precision
+    )  # activation hooks need the nn.Linear modules
     drafter = load_drafter(target, str(ctx.dirs["drafter"]))
     ids = _calibration_ids(ctx, load_tokenizer(ctx.dirs["tokenizer"]))
     out = {}
@@ -125,9 +111,12 @@ def stage_quantize(ctx: Context) -> dict:
         if which == "target":  # prefill forwards of the HF model: module names = state-dict names
             amax = calibrate_act_amax(target.hf, lambda p: target.hf(torch.tensor([p])), ids, progress=ctx.progress)
         else:  # the drafter sees target features only inside real DFlash decoding
-            params = SamplingParams(max_new_tokens=8)
-            amax = calibrate_act_amax(drafter, lambda p: generate(target, drafter, [p], params), ids,
-                                      progress=ctx.progress)
+            amax = calibrate_act_amax(
+                drafter,
+                lambda p: generate(target, drafter, [p], SamplingParams(max_new_tokens=8)),
+                ids,
+                progress=ctx.progress,
+            )
         src = ctx.dirs[which]
         state = {}
         for f in sorted(src.glob("*.safetensors")):
@@ -140,8 +129,12 @@ def stage_quantize(ctx: Context) -> dict:
         if which == "target" and ctx.dirs["tokenizer"] != src:
             copy_aux_files(ctx.dirs["tokenizer"], dst)
         n = sum(1 for k in qstate if k.endswith(".weight_scale"))
-        out[which] = {"format": hf_qc["quantization"]["quant_algo"], "quantized_linears": n,
-                      "calibration_prompts": len(ids), "kv_cache_quant_algo": hf_qc["quantization"]["kv_cache_quant_algo"]}
+        out[which] = {
+            "format": hf_qc["quantization"]["quant_algo"],
+            "quantized_linears": n,
+            "calibration_prompts": len(ids),
+            "kv_cache_quant_algo": hf_qc["quantization"]["kv_cache_quant_algo"],
+        }
         ctx.echo(f"quantize: {which} -> {fmt} ({n} linear layers, {len(ids)} calibration prompts)")
     return out
 
@@ -153,14 +146,15 @@ def trtllm_dtype(cfg: BuildConfig) -> str:
 
 def stage_convert(ctx: Context) -> dict:
     """TensorRT-LLM 1.2 checkpoints (config.json + rank{N}.safetensors) of both models."""
-    from dflash_trt.deploy.convert import convert_drafter, convert_target
-
     cfg, kv = ctx.cfg, (None if ctx.cfg.kv_cache == "bf16" else ctx.cfg.kv_cache)
     out = {}
     for which, fn in (("target", convert_target), ("drafter", convert_drafter)):
         dst = ctx.work / "trtllm_ckpt" / which
         fn(str(ctx.model_dir(which)), dst, tp_size=cfg.tp_size, dtype=trtllm_dtype(cfg), kv_cache=kv)
-        out[which] = {"ranks": cfg.tp_size, "architecture": json.loads((dst / "config.json").read_text())["architecture"]}
+        out[which] = {
+            "ranks": cfg.tp_size,
+            "architecture": json.loads((dst / "config.json").read_text())["architecture"],
+        }
     ctx.echo(f"convert: TensorRT-LLM checkpoints, tp_size={cfg.tp_size}, dtype {trtllm_dtype(cfg)}")
     return out
 
@@ -169,8 +163,6 @@ def stage_convert(ctx: Context) -> dict:
 def _torch_engine(ctx: Context) -> dict:
     """engine/{target,drafter,tokenizer} + manifest.json; quantised folders are kept quantised and
     dequantised on load (deploy/simulate.py). Loaded once here to prove the folder works."""
-    from dflash_trt.api import load_drafter, load_target
-
     eng = ctx.work / "engine"
     for which in ("target", "drafter"):
         copy_tree(ctx.model_dir(which), eng / which, files_only=True)
@@ -180,11 +172,25 @@ def _torch_engine(ctx: Context) -> dict:
     target, _ = load_target(str(eng / "target"), ctx.cfg.dtype, progress=False)
     drafter = load_drafter(target, str(eng / "drafter"))
     manifest = {
-        "backend": "torch", "dtype": ctx.cfg.dtype, "target": "target", "drafter": "drafter", "tokenizer": "tokenizer",
-        "target_quant": ctx.cfg.target_quant, "drafter_quant": ctx.cfg.drafter_quant, "kv_cache": ctx.cfg.kv_cache,
-        "block_size": drafter.config.block_size, "max_batch": ctx.cfg.max_batch, "max_seq_len": ctx.cfg.max_seq_len,
-        "simulation": ("fp8/nvfp4 weights are dequantised on load: weight rounding is exact, low-precision "
-                       "GEMMs and activation/KV quantisation are not simulated") if ctx.cfg.quantized else None,
+        "backend": "torch",
+        "dtype": ctx.cfg.dtype,
+        "target": "target",
+        "drafter": "drafter",
+        "tokenizer": "tokenizer",
+        "target_quant": ctx.cfg.target_quant,
+        "drafter_quant": ctx.cfg.drafter_quant,
+        "kv_cache": ctx.cfg.kv_cache,
+        "block_size": drafter.config.block_size,
+        "max_batch": ctx.cfg.max_batch,
+        "max_seq_len": ctx.cfg.max_seq_len,
+        "simulation": (
+            (
+                "fp8/nvfp4 weights are dequantised on load: weight rounding is exact, low-precision "
+                "GEMMs and activation/KV quantisation are not simulated"
+            )
+            if ctx.cfg.quantized
+            else None
+        ),
     }
     write_json(eng / "manifest.json", manifest)
     ctx.echo(f"engine: torch engine folder (target {ctx.cfg.target_quant}, drafter {ctx.cfg.drafter_quant})")
@@ -192,8 +198,6 @@ def _torch_engine(ctx: Context) -> dict:
 
 
 def stage_engine(ctx: Context) -> dict:
-    from dflash_trt.deploy import backends
-
     if ctx.cfg.backend == "torch":
         return _torch_engine(ctx)
     if ctx.cfg.backend == "tensorrt-llm":
@@ -207,47 +211,47 @@ STREAMING_MODELS = ("dflash_bls", "ensemble")  # decoupled entry points, dropped
 
 def stage_repo(ctx: Context) -> dict:
     """Fill the model_repo templates with this build's engine paths (pointing into the final out dir)."""
-    from dflash_trt.deploy import backends
-    from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
-    from dflash_trt.serving.text import read_chat_template
-
     cfg = ctx.cfg
     if cfg.backend == "trtllm-pytorch":
         return backends.write_llmapi_repo(ctx)
     eng = ctx.final / "engine"
-    values = default_values(eng / "target", eng / "drafter", eng / "tokenizer",
-                            engine_backend=cfg.backend, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len,
-                            dtype=cfg.dtype, triton_max_batch_size=cfg.triton_max_batch_size,
-                            unary_instance_count=cfg.instance_count, cpu_threads=cfg.cpu_threads,
-                            draft_cutoff=cfg.draft_cutoff,
-                            apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))))
+    values = default_values(
+        eng / "target",
+        eng / "drafter",
+        eng / "tokenizer",
+        engine_backend=cfg.backend,
+        max_batch=cfg.max_batch,
+        max_seq_len=cfg.max_seq_len,
+        dtype=cfg.dtype,
+        triton_max_batch_size=cfg.triton_max_batch_size,
+        unary_instance_count=cfg.instance_count,
+        cpu_threads=cfg.cpu_threads,
+        draft_cutoff=cfg.draft_cutoff,
+        apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))),
+    )
     repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)
     if not cfg.decoupled:
         for name in STREAMING_MODELS:
             shutil.rmtree(repo / name, ignore_errors=True)
     models = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
     if cfg.backend == "tensorrt-llm":
-        ctx.echo("repo: note: the dflash Python model serves the torch engine only; the TensorRT-LLM engines "
-                 "are recorded for a TensorRT-LLM-capable serving build")
+        ctx.echo(
+            "repo: note: the dflash Python model serves the torch engine only; the TensorRT-LLM engines "
+            "are recorded for a TensorRT-LLM-capable serving build"
+        )
     ctx.echo(f"repo: {len(models)} models ({', '.join(models)})")
     return {"models": models}
 
 
 def stage_emit(ctx: Context) -> dict:
-    from dflash_trt.deploy import backends
-
     return backends.emit_commands(ctx)
 
 
 def stage_eval(ctx: Context) -> dict:
-    from dflash_trt.deploy.quant_eval import evaluate_quantized
-
     return evaluate_quantized(ctx)
 
 
 def preflight(cfg: BuildConfig) -> None:
     """Refusals that must happen before anything is written (missing TensorRT-LLM / GPU)."""
     if cfg.backend == "tensorrt-llm":
-        from dflash_trt.deploy.backends import trtllm_preflight
-
-        trtllm_preflight(cfg)
+        backends.trtllm_preflight(cfg)

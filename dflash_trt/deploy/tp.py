@@ -45,7 +45,7 @@ class QLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def replace(self, **kw) -> "QLinear":
+    def replace(self, **kw) -> QLinear:
         return dataclasses.replace(self, **kw)
 
 
@@ -54,8 +54,13 @@ def from_hf(state: dict, module: str) -> QLinear:
     if f"{module}.weight" not in state:
         raise ConfigError(f"state dict has no {module}.weight: is this the right model family?")
     g = state.get
-    return QLinear(g(f"{module}.weight"), g(f"{module}.bias"), g(f"{module}.weight_scale"),
-                   g(f"{module}.weight_scale_2"), g(f"{module}.input_scale"))
+    return QLinear(
+        g(f"{module}.weight"),
+        g(f"{module}.bias"),
+        g(f"{module}.weight_scale"),
+        g(f"{module}.weight_scale_2"),
+        g(f"{module}.input_scale"),
+    )
 
 
 def _one(t: torch.Tensor) -> torch.Tensor:
@@ -77,8 +82,10 @@ def to_trt(lin: QLinear, prefix: str, dtype: torch.dtype | None = None) -> dict[
         if algo == "NVFP4":
             out[prefix + "weights_scaling_factor_2"] = _one(lin.weight_scale_2)
         if lin.input_scale is None:
-            raise ConfigError(f"{prefix}activation_scaling_factor: {algo} needs a calibrated input_scale; quantise "
-                              f"with act_amax=calibrate_act_amax(...)")
+            raise ConfigError(
+                f"{prefix}activation_scaling_factor: {algo} needs a calibrated input_scale; quantise "
+                f"with act_amax=calibrate_act_amax(...)"
+            )
         out[prefix + "activation_scaling_factor"] = _one(lin.input_scale)
     return out
 
@@ -90,8 +97,13 @@ def from_trt(state: dict, prefix: str) -> QLinear:
     if ws is not None and ws.dtype != F.FP8_DTYPE and g(prefix + "per_channel_scale") is None:
         ws = ws.reshape(())
     ws2, ins = g(prefix + "weights_scaling_factor_2"), g(prefix + "activation_scaling_factor")
-    return QLinear(state[prefix + "weight"], g(prefix + "bias"), ws,
-                   None if ws2 is None else ws2.reshape(()), None if ins is None else ins.reshape(()))
+    return QLinear(
+        state[prefix + "weight"],
+        g(prefix + "bias"),
+        ws,
+        None if ws2 is None else ws2.reshape(()),
+        None if ins is None else ins.reshape(()),
+    )
 
 
 def _rows(t: torch.Tensor | None, tp: int, rank: int) -> torch.Tensor | None:
@@ -113,8 +125,10 @@ def split_row(lin: QLinear, tp: int, rank: int) -> QLinear:
     cols = lin.weight.shape[1] * (2 if lin.algo == "NVFP4" else 1)
     unit = F.NVFP4_BLOCK * tp if lin.algo == "NVFP4" else tp
     if cols % unit:
-        raise ConfigError(f"input dim {cols} is not divisible by {unit} (tp_size={tp}"
-                          f"{' x NVFP4 block 16' if lin.algo == 'NVFP4' else ''}); use a smaller tp_size")
+        raise ConfigError(
+            f"input dim {cols} is not divisible by {unit} (tp_size={tp}"
+            f"{' x NVFP4 block 16' if lin.algo == 'NVFP4' else ''}); use a smaller tp_size"
+        )
     w = lin.weight.chunk(tp, dim=1)[rank].contiguous()
     ws = lin.weight_scale.chunk(tp, dim=1)[rank].contiguous() if lin.algo == "NVFP4" else lin.weight_scale
     return lin.replace(weight=w, weight_scale=ws)
@@ -137,8 +151,11 @@ def unify_scales(lins: list[QLinear]) -> list[QLinear]:
     if algo == "FP8":
         s = _max(x.weight_scale for x in lins)
         for x in lins:
-            w = x.weight if torch.equal(x.weight_scale.float().reshape(()), s) else \
-                F.fp8_quantize(F.fp8_dequantize(x.weight, x.weight_scale), s)
+            w = (
+                x.weight
+                if torch.equal(x.weight_scale.float().reshape(()), s)
+                else F.fp8_quantize(F.fp8_dequantize(x.weight, x.weight_scale), s)
+            )
             out.append(x.replace(weight=w, weight_scale=s, input_scale=ins))
     elif algo == "NVFP4":
         g = _max(x.weight_scale_2 for x in lins)
@@ -172,12 +189,13 @@ def cat_cols(lins: list[QLinear]) -> QLinear:
 
 def split_heads(lin: QLinear, sizes: list[int]) -> list[QLinear]:
     """Split a fused linear's output rows into consecutive parts of `sizes` rows (e.g. q, k, v)."""
+
     def part(t):
         return [None] * len(sizes) if t is None or t.dim() == 0 else list(t.split(sizes, dim=0))
+
     per_row = lin.weight_scale is not None and lin.weight_scale.dim() > 0
     ws = part(lin.weight_scale) if per_row else [lin.weight_scale] * len(sizes)
-    return [lin.replace(weight=w, bias=b, weight_scale=s)
-            for w, b, s in zip(part(lin.weight), part(lin.bias), ws)]
+    return [lin.replace(weight=w, bias=b, weight_scale=s) for w, b, s in zip(part(lin.weight), part(lin.bias), ws)]
 
 
 def dup_kv_heads(lin: QLinear, num_kv_heads: int, tp: int) -> QLinear:
@@ -190,4 +208,5 @@ def dup_kv_heads(lin: QLinear, num_kv_heads: int, tp: int) -> QLinear:
             return t
         h = t.reshape(num_kv_heads, -1, *t.shape[1:])
         return h.repeat_interleave(reps, dim=0).reshape(-1, *t.shape[1:]).contiguous()
+
     return lin.replace(weight=dup(lin.weight), bias=dup(lin.bias), weight_scale=dup(lin.weight_scale))

@@ -62,6 +62,8 @@ def resolve_drafter(name_or_dir: str, root: Path = ASSETS) -> str:
     if name_or_dir in found:
         return str(found[name_or_dir].path)
     known = ", ".join(found) or "none in this install"
-    raise CheckpointError(f"drafter {name_or_dir!r}: not a folder and not a bundled drafter name (bundled: {known}); "
-                          f"pass a DFlash checkpoint folder (config.json + model.safetensors) or train one with "
-                          f"`dflash-trt train`")
+    raise CheckpointError(
+        f"drafter {name_or_dir!r}: not a folder and not a bundled drafter name (bundled: {known}); "
+        f"pass a DFlash checkpoint folder (config.json + model.safetensors) or train one with "
+        f"`dflash-trt train`"
+    )

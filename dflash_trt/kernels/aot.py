@@ -23,12 +23,13 @@ import importlib
 import json
 import os
 import re
-import shutil
-import uuid
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+
+from dflash_trt.atomic import atomic_dir
 
 ARCHS = ("sm_90", "sm_100", "sm_120")
 MANIFEST = "manifest.json"
@@ -54,34 +55,98 @@ def _ptr(t: str) -> str:
     return "*" + t
 
 
-def kv_inject_spec(dtype: str = "bf16", head_dim: int = 128, paged: bool = False, fp8: bool = False,
-                   eps: float = 1e-6, rope_scale: float = 1.0) -> KernelSpec:
+def kv_inject_spec(
+    dtype: str = "bf16",
+    head_dim: int = 128,
+    paged: bool = False,
+    fp8: bool = False,
+    eps: float = 1e-6,
+    rope_scale: float = 1.0,
+) -> KernelSpec:
     c = "fp8e4nv" if fp8 else dtype
-    types = dict(h_ptr=_ptr(dtype), pos_ptr="*i32", nnew_ptr="*i32", wk_ptr=_ptr(dtype), wv_ptr=_ptr(dtype),
-                 knw_ptr=_ptr(dtype), invf_ptr="*fp32", bt_ptr="*i32", scale_ptr="*fp32",
-                 kin_ptr=_ptr(c), vin_ptr=_ptr(c), N="i32", DM="i32", HKV="i32", NSEQ="i32", S="i32",
-                 MAXP="i32", kout_ptr=_ptr(c), vout_ptr=_ptr(c))
-    const = dict(D=head_dim, BLOCK_T=16, BLOCK_K=64, EPS=float(eps), ROPE_SCALE=float(rope_scale),
-                 PAGED=paged, FP8=fp8, INTERPRET=False)
+    types = dict(
+        h_ptr=_ptr(dtype),
+        pos_ptr="*i32",
+        nnew_ptr="*i32",
+        wk_ptr=_ptr(dtype),
+        wv_ptr=_ptr(dtype),
+        knw_ptr=_ptr(dtype),
+        invf_ptr="*fp32",
+        bt_ptr="*i32",
+        scale_ptr="*fp32",
+        kin_ptr=_ptr(c),
+        vin_ptr=_ptr(c),
+        N="i32",
+        DM="i32",
+        HKV="i32",
+        NSEQ="i32",
+        S="i32",
+        MAXP="i32",
+        kout_ptr=_ptr(c),
+        vout_ptr=_ptr(c),
+    )
+    const = dict(
+        D=head_dim,
+        BLOCK_T=16,
+        BLOCK_K=64,
+        EPS=float(eps),
+        ROPE_SCALE=float(rope_scale),
+        PAGED=paged,
+        FP8=fp8,
+        INTERPRET=False,
+    )
     name = f"kv_inject_{dtype}_d{head_dim}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}"
-    return KernelSpec(name, _MOD + "inject:kv_inject_kernel", types, const,
-                      meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, block_t=16))
+    return KernelSpec(
+        name,
+        _MOD + "inject:kv_inject_kernel",
+        types,
+        const,
+        meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, block_t=16),
+    )
 
 
-def attention_spec(dtype: str = "bf16", head_dim: int = 128, paged: bool = False, fp8: bool = False,
-                   block_size: int = 16) -> KernelSpec:
+def attention_spec(
+    dtype: str = "bf16", head_dim: int = 128, paged: bool = False, fp8: bool = False, block_size: int = 16
+) -> KernelSpec:
     c = "fp8e4nv" if fp8 else dtype
-    types = dict(q_ptr=_ptr(dtype), kb_ptr=_ptr(dtype), vb_ptr=_ptr(dtype), kc_ptr=_ptr(c), vc_ptr=_ptr(c),
-                 ctx_ptr="*i32", bt_ptr="*i32", scale_ptr="*fp32", H="i32", HKV="i32", B="i32",
-                 NSEQ="i32", S="i32", MAXP="i32", LAYER="i32", o_ptr=_ptr(dtype))
+    types = dict(
+        q_ptr=_ptr(dtype),
+        kb_ptr=_ptr(dtype),
+        vb_ptr=_ptr(dtype),
+        kc_ptr=_ptr(c),
+        vc_ptr=_ptr(c),
+        ctx_ptr="*i32",
+        bt_ptr="*i32",
+        scale_ptr="*fp32",
+        H="i32",
+        HKV="i32",
+        B="i32",
+        NSEQ="i32",
+        S="i32",
+        MAXP="i32",
+        LAYER="i32",
+        o_ptr=_ptr(dtype),
+    )
     block_b = max(16, 1 << (block_size - 1).bit_length())
     # BLOCK_N 32 at head_dim 128 keeps shared memory under the 48 KiB default launch limit
-    const = dict(D=head_dim, BLOCK_M=64, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_B=block_b,
-                 SM_SCALE=head_dim ** -0.5, PAGED=paged, FP8=fp8, INTERPRET=False)
+    const = dict(
+        D=head_dim,
+        BLOCK_M=64,
+        BLOCK_N=64 if head_dim <= 64 else 32,
+        BLOCK_B=block_b,
+        SM_SCALE=head_dim**-0.5,
+        PAGED=paged,
+        FP8=fp8,
+        INTERPRET=False,
+    )
     name = f"block_attention_{dtype}_d{head_dim}_b{block_b}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}"
-    return KernelSpec(name, _MOD + "attention:block_attention_kernel", types, const,
-                      meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, max_block_size=block_b,
-                                block_m=64))
+    return KernelSpec(
+        name,
+        _MOD + "attention:block_attention_kernel",
+        types,
+        const,
+        meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, max_block_size=block_b, block_m=64),
+    )
 
 
 def greedy_spec(logits_dtype: str | None = None) -> KernelSpec:
@@ -90,15 +155,31 @@ def greedy_spec(logits_dtype: str | None = None) -> KernelSpec:
     types = dict(draft_ptr="*i32", t_ptr=t, B="i32", V="i32", acc_ptr="*i32", bonus_ptr="*i32")
     const = dict(BLOCK_B=32, BLOCK_V=256, FROM_LOGITS=logits_dtype is not None)
     name = f"greedy_accept_{'logits_' + logits_dtype if logits_dtype else 'argmax'}"
-    return KernelSpec(name, _MOD + "accept:greedy_accept_kernel", types, const, num_warps=8,
-                      meta=dict(max_block_size=32))
+    return KernelSpec(
+        name, _MOD + "accept:greedy_accept_kernel", types, const, num_warps=8, meta=dict(max_block_size=32)
+    )
 
 
 def rejection_spec(prob_dtype: str = "fp32") -> KernelSpec:
-    types = dict(draft_ptr="*i32", p_ptr=_ptr(prob_dtype), q_ptr=_ptr(prob_dtype), ua_ptr="*fp32",
-                 us_ptr="*fp32", B="i32", V="i32", acc_ptr="*i32", bonus_ptr="*i32")
-    return KernelSpec(f"rejection_accept_{prob_dtype}", _MOD + "accept:rejection_accept_kernel", types,
-                      dict(BLOCK_B=32, BLOCK_V=1024), num_warps=4, meta=dict(max_block_size=32))
+    types = dict(
+        draft_ptr="*i32",
+        p_ptr=_ptr(prob_dtype),
+        q_ptr=_ptr(prob_dtype),
+        ua_ptr="*fp32",
+        us_ptr="*fp32",
+        B="i32",
+        V="i32",
+        acc_ptr="*i32",
+        bonus_ptr="*i32",
+    )
+    return KernelSpec(
+        f"rejection_accept_{prob_dtype}",
+        _MOD + "accept:rejection_accept_kernel",
+        types,
+        dict(BLOCK_B=32, BLOCK_V=1024),
+        num_warps=4,
+        meta=dict(max_block_size=32),
+    )
 
 
 def default_specs() -> list[KernelSpec]:
@@ -125,6 +206,7 @@ def arch_number(arch: str | int) -> int:
 
 def resolve_kernel(ref):
     """'module:attr' (or a kernel object) -> a JITFunction, also under TRITON_INTERPRET=1."""
+    # deferred: optional dependency (the `kernels` extra)
     from triton.runtime.jit import JITFunction
 
     fn = ref
@@ -138,6 +220,7 @@ def resolve_kernel(ref):
 
 def compile_spec(spec: KernelSpec, arch: str | int):
     """Compile one specialisation for one arch; returns Triton's CompiledKernel."""
+    # deferred: optional dependency (the `kernels` extra)
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -146,8 +229,10 @@ def compile_spec(spec: KernelSpec, arch: str | int):
     if missing:
         raise KernelCompileError(f"{spec.name}: no type or value for arguments {missing}")
     if _interpreting():
-        raise KernelCompileError("cannot compile in a process with TRITON_INTERPRET=1 (Triton's library "
-                                 "functions are interpreted there); use compile_all, which spawns workers")
+        raise KernelCompileError(
+            "cannot compile in a process with TRITON_INTERPRET=1 (Triton's library "
+            "functions are interpreted there); use compile_all, which spawns workers"
+        )
     signature = {a: ("constexpr" if a in spec.constexprs else spec.types[a]) for a in fn.arg_names}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=dict(spec.constexprs))
     opts = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, enable_fp_fusion=True)
@@ -160,8 +245,6 @@ def _interpreting() -> bool:
 
 def _worker_init() -> None:
     """Spawned compile workers: real compilation, never the interpreter (set before importing triton)."""
-    import sys
-
     if "triton" in sys.modules:
         raise RuntimeError("triton was imported before the compile worker could turn TRITON_INTERPRET off")
     os.environ["TRITON_INTERPRET"] = "0"
@@ -182,9 +265,9 @@ def strip_scratch_params(ptx: str, entry: str, n_args: int) -> str:
         raise ValueError(f"{entry} has {len(params)} PTX parameters, expected at least {n_args}")
     for p in params[n_args:]:
         name = p.split()[-1]
-        if re.search(r"\b" + re.escape(name) + r"\b", ptx[m.end():]):
+        if re.search(r"\b" + re.escape(name) + r"\b", ptx[m.end() :]):
             raise ValueError(f"{entry}: trailing parameter {name} is used; cannot drop it")
-    return ptx[:m.start(1)] + ",\n".join(params[:n_args]) + ptx[m.end(1):]
+    return ptx[: m.start(1)] + ",\n".join(params[:n_args]) + ptx[m.end(1) :]
 
 
 def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
@@ -206,16 +289,30 @@ def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
         Path(root, rel).write_bytes(data)
         files[ext] = {"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     return {
-        "name": spec.name, "kernel": spec.kernel.rpartition(":")[2], "entry": md.name, "arch": arch,
-        "signature": dict(spec.types), "constexprs": dict(spec.constexprs),
-        "num_warps": md.num_warps, "num_stages": spec.num_stages, "threads_per_block": md.num_warps * 32,
-        "shared_mem": md.shared, "global_scratch_size": getattr(md, "global_scratch_size", 0),
-        "profile_scratch_size": getattr(md, "profile_scratch_size", 0), "meta": dict(spec.meta), "files": files,
+        "name": spec.name,
+        "kernel": spec.kernel.rpartition(":")[2],
+        "entry": md.name,
+        "arch": arch,
+        "signature": dict(spec.types),
+        "constexprs": dict(spec.constexprs),
+        "num_warps": md.num_warps,
+        "num_stages": spec.num_stages,
+        "threads_per_block": md.num_warps * 32,
+        "shared_mem": md.shared,
+        "global_scratch_size": getattr(md, "global_scratch_size", 0),
+        "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+        "meta": dict(spec.meta),
+        "files": files,
     }
 
 
-def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs: list[KernelSpec] | None = None,
-                jobs: int = 1, progress=None) -> Path:
+def compile_all(
+    archs=ARCHS,
+    out_dir: str | os.PathLike = "plugins/build",
+    specs: list[KernelSpec] | None = None,
+    jobs: int = 1,
+    progress=None,
+) -> Path:
     """Compile every spec (default_specs()) for every arch into out_dir; returns the manifest path.
 
     progress, if given, is called with each manifest entry as it completes (in work order).
@@ -224,6 +321,7 @@ def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs
     under TRITON_INTERPRET=1) compiles in that many spawned processes, so specs must name
     importable kernels and scripts calling this need the usual `if __name__ == "__main__":` guard.
     """
+    # deferred: optional dependency (the `kernels` extra)
     import triton
 
     specs = default_specs() if specs is None else list(specs)
@@ -232,28 +330,25 @@ def compile_all(archs=ARCHS, out_dir: str | os.PathLike = "plugins/build", specs
     if len(set(names)) != len(names):
         raise ValueError("spec names must be unique")
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_dir(out) as tmp:  # dflash_trt/atomic.py: an earlier out_dir is replaced only on success
         for a in archs:
             (tmp / a).mkdir(parents=True)
         work = [(s, a) for a in archs for s in specs]
         if jobs > 1 or _interpreting():
             with ProcessPoolExecutor(max(1, jobs), mp_context=get_context("spawn"), initializer=_worker_init) as pool:
-                entries = [_report(e, progress) for e in
-                           pool.map(_compile_to_files, *zip(*work), [str(tmp)] * len(work))]
+                entries = [
+                    _report(e, progress) for e in pool.map(_compile_to_files, *zip(*work), [str(tmp)] * len(work))
+                ]
         else:
             entries = [_report(_compile_to_files(s, a, str(tmp)), progress) for s, a in work]
-        manifest = {"format": 1, "triton_version": triton.__version__, "archs": archs,
-                    "specs": [asdict(s) for s in specs], "kernels": entries}
+        manifest = {
+            "format": 1,
+            "triton_version": triton.__version__,
+            "archs": archs,
+            "specs": [asdict(s) for s in specs],
+            "kernels": entries,
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out / MANIFEST
 
 

@@ -19,22 +19,45 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_trt.kernels import (FP8, cdiv, check_device, dummy_i32, int32, interpreting,
-                                        need_contiguous, next_pow2, scale_tensor)
+from dflash_trt.kernels.launching import (
+    FP8,
+    cdiv,
+    check_device,
+    dummy_i32,
+    int32,
+    interpreting,
+    need_contiguous,
+    next_pow2,
+    scale_tensor,
+)
 
 
 @triton.jit
 def block_attention_kernel(
     q_ptr,  # [R, H, B, D]
-    kb_ptr, vb_ptr,  # [R, HKV, B, D]  the block's own K/V
-    kc_ptr, vc_ptr,  # [(L,) NSEQ, HKV, S, D]  context cache (contiguous: NSEQ=R; paged: pages)
+    kb_ptr,
+    vb_ptr,  # [R, HKV, B, D]  the block's own K/V
+    kc_ptr,
+    vc_ptr,  # [(L,) NSEQ, HKV, S, D]  context cache (contiguous: NSEQ=R; paged: pages)
     ctx_ptr,  # [R] int32  context length per row
     bt_ptr,  # [R, MAXP] int32  block table (read only when PAGED)
     scale_ptr,  # [2] fp32  (k_scale, v_scale) (read only when FP8)
-    H, HKV, B, NSEQ, S, MAXP, LAYER,  # LAYER: index into a stacked [L, ...] cache (0 if per-layer)
+    H,
+    HKV,
+    B,
+    NSEQ,
+    S,
+    MAXP,
+    LAYER,  # LAYER: index into a stacked [L, ...] cache (0 if per-layer)
     o_ptr,  # [R, H, B, D]
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    SM_SCALE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    SM_SCALE: tl.constexpr,
+    PAGED: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     hk = tl.program_id(1)
     r = tl.program_id(2).to(tl.int64)
@@ -106,11 +129,21 @@ def block_attention_kernel(
     tl.store(o_ptr + q_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
-def block_draft_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, ctx_len: torch.Tensor, *,
-                          block_table: torch.Tensor | None = None, kv_scale=None, layer: int = 0,
-                          block_m: int | None = None, block_n: int | None = None,
-                          num_warps: int = 4) -> torch.Tensor:
+def block_draft_attention(
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx_len: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    kv_scale=None,
+    layer: int = 0,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """Block queries attend to their row's cached context and the block's own K/V; -> [R, H, B, D].
 
     q [R, H, B, D]; k_blk/v_blk [R, H_kv, B, D] (same dtype as q); k_cache/v_cache
@@ -148,11 +181,30 @@ def block_draft_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Ten
     block_n = block_n or (16 if interpreting() else 64)
     grid = (cdiv(G * B, block_m), HKV, R)
     block_attention_kernel[grid](
-        q, k_blk.contiguous(), v_blk.contiguous(), k_cache, v_cache, int32(ctx_len),
-        bt, scale_tensor(kv_scale, dev),
-        H, HKV, B, shp[0], shp[2], bt.shape[-1] if paged else 1, layer if stacked else 0,
+        q,
+        k_blk.contiguous(),
+        v_blk.contiguous(),
+        k_cache,
+        v_cache,
+        int32(ctx_len),
+        bt,
+        scale_tensor(kv_scale, dev),
+        H,
+        HKV,
+        B,
+        shp[0],
+        shp[2],
+        bt.shape[-1] if paged else 1,
+        layer if stacked else 0,
         out,
-        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=next_pow2(B), SM_SCALE=D ** -0.5,
-        PAGED=paged, FP8=k_cache.dtype == FP8, INTERPRET=interpreting(), num_warps=num_warps,
+        D=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_B=next_pow2(B),
+        SM_SCALE=D**-0.5,
+        PAGED=paged,
+        FP8=k_cache.dtype == FP8,
+        INTERPRET=interpreting(),
+        num_warps=num_warps,
     )
     return out

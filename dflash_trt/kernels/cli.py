@@ -8,61 +8,76 @@ list: the manifest of such a folder as a table, sha256 of every file re-checked.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_shared import friendly_errors
 from dflash_trt.errors import DFlashError
+from dflash_trt.kernels import aot, triton_available
+from dflash_trt.kernels.aot import ARCHS, MANIFEST, default_specs, load_manifest
 
 
 def parse_archs(text: str) -> list[str]:
     """'sm_90,sm_100' (also '90', 'sm_90a') -> ['sm_90', 'sm_100']; DFlashError naming --arch."""
-    from dflash_trt.kernels.aot import ARCHS
-
     archs = []
     for part in (p.strip() for p in text.split(",")):
         s = part.lower().removeprefix("sm_").rstrip("af")
         arch = f"sm_{s}" if s.isdigit() else None
         if arch not in ARCHS:
-            raise DFlashError(f"--arch {part!r}: expected a comma-separated list of {', '.join(ARCHS)} "
-                              f"(Hopper, Blackwell datacenter, Blackwell consumer)")
+            raise DFlashError(
+                f"--arch {part!r}: expected a comma-separated list of {', '.join(ARCHS)} "
+                f"(Hopper, Blackwell datacenter, Blackwell consumer)"
+            )
         if arch not in archs:
             archs.append(arch)
     return archs
 
 
 def select_specs(only: tuple[str, ...]):
-    from dflash_trt.kernels.aot import default_specs
-
     specs = default_specs()
     if not only:
         return specs
     chosen = [s for s in specs if any(o in s.name for o in only)]
     if not chosen:
-        raise DFlashError(f"--only {', '.join(only)}: matches no kernel; names are e.g. "
-                          f"{', '.join(s.name for s in specs[:3])} (see `dflash-trt plugins compile --list`)")
+        raise DFlashError(
+            f"--only {', '.join(only)}: matches no kernel; names are e.g. "
+            f"{', '.join(s.name for s in specs[:3])} (see `dflash-trt plugins compile --list`)"
+        )
     return chosen
 
 
 def manifest_table(manifest: dict, title: str):
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.table import Table
 
     t = Table(title=title)
-    for col, just in (("kernel", "left"), ("arch", "left"), ("warps", "right"), ("shared mem", "right"),
-                      ("cubin", "right"), ("cubin sha256", "left")):
+    for col, just in (
+        ("kernel", "left"),
+        ("arch", "left"),
+        ("warps", "right"),
+        ("shared mem", "right"),
+        ("cubin", "right"),
+        ("cubin sha256", "left"),
+    ):
         t.add_column(col, justify=just)
     for e in sorted(manifest["kernels"], key=lambda e: (e["name"], int(e["arch"][3:]))):
         cub = e["files"]["cubin"]
-        t.add_row(e["name"], e["arch"], str(e["num_warps"]), f"{e['shared_mem'] / 1024:.1f} KiB",
-                  f"{cub['bytes'] / 1024:.0f} KiB", cub["sha256"][:12])
+        t.add_row(
+            e["name"],
+            e["arch"],
+            str(e["num_warps"]),
+            f"{e['shared_mem'] / 1024:.1f} KiB",
+            f"{cub['bytes'] / 1024:.0f} KiB",
+            cub["sha256"][:12],
+        )
     return t
 
 
 def _require_triton() -> None:
-    from dflash_trt.kernels import triton_available
-
     if not triton_available():
         raise DFlashError("Triton is not installed: pip install 'dflash-trt[kernels]' (no GPU needed)")
 
@@ -73,8 +88,13 @@ def register(main: click.Group) -> None:
         """DFlash GPU kernels: ahead-of-time compile (cubin/PTX for TensorRT plugins), list."""
 
     @plugins.command("compile")
-    @click.option("--arch", "arch_text", default="sm_90,sm_100,sm_120", show_default=True,
-                  help="Comma-separated GPU architectures.")
+    @click.option(
+        "--arch",
+        "arch_text",
+        default="sm_90,sm_100,sm_120",
+        show_default=True,
+        help="Comma-separated GPU architectures.",
+    )
     @click.option("--out", "out_dir", default="plugins/build", show_default=True, help="Output folder.")
     @click.option("--only", multiple=True, help="Compile only kernels whose name contains this (repeatable).")
     @click.option("--jobs", type=int, default=None, help="Compile processes (default: CPU count).")
@@ -89,29 +109,38 @@ def register(main: click.Group) -> None:
                 click.echo(s.name)
             return
         _require_triton()
+        # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
         from rich.console import Console
-
-        from dflash_trt.kernels import aot
 
         jobs = jobs or min(len(specs) * len(archs), os.cpu_count() or 1)
         total, done = len(specs) * len(archs), []
-        click.echo(f"compiling {len(specs)} kernels x {len(archs)} archs ({', '.join(archs)}) "
-                   f"with {jobs} job(s) into {out_dir}", err=True)
+        click.echo(
+            f"compiling {len(specs)} kernels x {len(archs)} archs ({', '.join(archs)}) "
+            f"with {jobs} job(s) into {out_dir}",
+            err=True,
+        )
         t0 = time.perf_counter()
 
         def progress(entry):
             done.append(entry)
-            click.echo(f"  [{len(done)}/{total}] {entry['arch']} {entry['name']} "
-                       f"({time.perf_counter() - t0:.0f}s)", err=True)
+            click.echo(
+                f"  [{len(done)}/{total}] {entry['arch']} {entry['name']} " f"({time.perf_counter() - t0:.0f}s)",
+                err=True,
+            )
 
         try:
             path = aot.compile_all(archs, out_dir, specs=specs, jobs=jobs, progress=progress)
         except aot.KernelCompileError as e:
             raise DFlashError(f"{e} (nothing was written to {out_dir})") from None
         manifest = aot.load_manifest(path.parent)
-        Console().print(manifest_table(manifest, f"{len(specs)} kernels x {len(archs)} archs compiled in "
-                                                  f"{time.perf_counter() - t0:.0f}s "
-                                                  f"(Triton {manifest['triton_version']})"))
+        Console().print(
+            manifest_table(
+                manifest,
+                f"{len(specs)} kernels x {len(archs)} archs compiled in "
+                f"{time.perf_counter() - t0:.0f}s "
+                f"(Triton {manifest['triton_version']})",
+            )
+        )
         click.echo(f"manifest: {path}")
 
     @plugins.command("list")
@@ -119,12 +148,8 @@ def register(main: click.Group) -> None:
     @friendly_errors
     def plugins_list(folder):
         """Print FOLDER/manifest.json (made by `plugins compile`) as a table; checks every sha256."""
-        import json
-        from pathlib import Path
-
+        # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
         from rich.console import Console
-
-        from dflash_trt.kernels.aot import MANIFEST, load_manifest
 
         if not (Path(folder) / MANIFEST).is_file():
             raise DFlashError(f"{folder}: no {MANIFEST}; make one with `dflash-trt plugins compile --out {folder}`")
@@ -133,6 +158,8 @@ def register(main: click.Group) -> None:
         except (ValueError, OSError, KeyError) as e:  # sha256 mismatch, missing file, bad JSON
             msg = f"invalid JSON ({e})" if isinstance(e, json.JSONDecodeError) else str(e)
             raise DFlashError(f"{folder}: {msg}; recompile with `dflash-trt plugins compile --out {folder}`") from None
-        title = (f"{folder}: {len(manifest['kernels'])} kernels, archs {', '.join(manifest['archs'])} "
-                 f"(Triton {manifest['triton_version']})")
+        title = (
+            f"{folder}: {len(manifest['kernels'])} kernels, archs {', '.join(manifest['archs'])} "
+            f"(Triton {manifest['triton_version']})"
+        )
         Console().print(manifest_table(manifest, title))

@@ -20,8 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_trt.kernels import (FP8, cdiv, check_device, dummy_i32, int32, interpreting,
-                                        need_contiguous, next_pow2, scale_tensor)
+from dflash_trt.kernels.launching import (
+    FP8,
+    cdiv,
+    check_device,
+    dummy_i32,
+    int32,
+    interpreting,
+    need_contiguous,
+    next_pow2,
+    scale_tensor,
+)
 
 
 @triton.jit
@@ -35,16 +44,28 @@ def kv_inject_kernel(
     invf_ptr,  # [D/2] fp32  rope inverse frequencies
     bt_ptr,  # [R, MAXP] int32  block table (read only when PAGED)
     scale_ptr,  # [2] fp32  (k_scale, v_scale) (read only when FP8)
-    kin_ptr, vin_ptr,  # caches as inputs (TensorRT aliases them to the outputs; unused here)
-    N, DM, HKV,  # tokens per row, feature width, kv heads
-    NSEQ, S, MAXP,  # contiguous: R, S_max, -   paged: num_pages, page_size, max_pages
-    kout_ptr, vout_ptr,  # [L, NSEQ, HKV, S, D]  caches written in place
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, EPS: tl.constexpr,
-    ROPE_SCALE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    kin_ptr,
+    vin_ptr,  # caches as inputs (TensorRT aliases them to the outputs; unused here)
+    N,
+    DM,
+    HKV,  # tokens per row, feature width, kv heads
+    NSEQ,
+    S,
+    MAXP,  # contiguous: R, S_max, -   paged: num_pages, page_size, max_pages
+    kout_ptr,
+    vout_ptr,  # [L, NSEQ, HKV, S, D]  caches written in place
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EPS: tl.constexpr,
+    ROPE_SCALE: tl.constexpr,
+    PAGED: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     r = tl.program_id(1)
-    l = tl.program_id(2) // HKV
+    l = tl.program_id(2) // HKV  # noqa: E741 (layer index, as in the launcher's grid)
     hk = tl.program_id(2) % HKV
     n_valid = tl.minimum(tl.load(nnew_ptr + r), N)
     if tl.program_id(0) * BLOCK_T >= n_valid:  # ragged rows: nothing valid in this tile
@@ -64,8 +85,9 @@ def kv_inject_kernel(
     v2 = tl.zeros([BLOCK_T, HALF], dtype=tl.float32)
     for k0 in range(0, DM, BLOCK_K):
         kmask = (k0 + kk) < DM
-        x = tl.load(h_ptr + row_tok[:, None] * DM + (k0 + kk)[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
+        x = tl.load(
+            h_ptr + row_tok[:, None] * DM + (k0 + kk)[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0
+        )  # [BT, BK]
         w_off = w_row + (k0 + kk)[None, :]  # [HALF, BK]
         wmask = kmask[None, :]
         wk1 = tl.load(wk_ptr + w_off, mask=wmask, other=0.0)
@@ -125,11 +147,25 @@ def kv_inject_kernel(
     tl.store(vout_ptr + base + HALF, v2.to(out_ty), mask=smask)
 
 
-def kv_inject(h: torch.Tensor, positions: torch.Tensor, n_new: torch.Tensor, wk: torch.Tensor,
-              wv: torch.Tensor, k_norm_w: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, *, eps: float = 1e-6, block_table: torch.Tensor | None = None,
-              kv_scale=None, rope_scale: float = 1.0, block_t: int = 16, block_k: int | None = None,
-              num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_inject(
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    n_new: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    block_table: torch.Tensor | None = None,
+    kv_scale=None,
+    rope_scale: float = 1.0,
+    block_t: int = 16,
+    block_k: int | None = None,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write K/V of all L layers for the valid context tokens; returns (k_cache, v_cache).
 
     h [R, n, d]; positions [R, n]; n_new [R] (<= n); wk/wv [L, H_kv*D, d]; k_norm_w [L, D];
@@ -144,10 +180,17 @@ def kv_inject(h: torch.Tensor, positions: torch.Tensor, n_new: torch.Tensor, wk:
     HKV = HD // D
     dev = check_device(h, positions, n_new, wk, wv, k_norm_w, inv_freq, k_cache, v_cache)
     if HKV * D != HD or wv.shape != wk.shape or wk.shape[2] != DM or D < 32 or D & (D - 1):
-        raise ValueError(f"bad shapes: wk {tuple(wk.shape)}, wv {tuple(wv.shape)}, h {tuple(h.shape)}, "
-                         f"head_dim {D} (a power of two >= 32)")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.shape[-1] != D \
-            or k_cache.shape[0] != L or k_cache.shape[2] != HKV:
+        raise ValueError(
+            f"bad shapes: wk {tuple(wk.shape)}, wv {tuple(wv.shape)}, h {tuple(h.shape)}, "
+            f"head_dim {D} (a power of two >= 32)"
+        )
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.dtype != v_cache.dtype
+        or k_cache.shape[-1] != D
+        or k_cache.shape[0] != L
+        or k_cache.shape[2] != HKV
+    ):
         raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match L={L}, H_kv={HKV}, D={D}")
     if wk.dtype != h.dtype or wv.dtype != h.dtype:
         raise ValueError(f"h {h.dtype} and weights {wk.dtype}/{wv.dtype} must share a dtype")
@@ -162,12 +205,33 @@ def kv_inject(h: torch.Tensor, positions: torch.Tensor, n_new: torch.Tensor, wk:
     block_k = block_k or min(64, next_pow2(DM))
     grid = (cdiv(N, block_t), R, L * HKV)
     kv_inject_kernel[grid](
-        h.contiguous(), int32(positions), int32(n_new), wk.contiguous(), wv.contiguous(),
-        k_norm_w.contiguous(), inv_freq.float().contiguous(), bt, scale_tensor(kv_scale, dev),
-        k_cache, v_cache,
-        N, DM, HKV, k_cache.shape[1], k_cache.shape[3], bt.shape[-1] if paged else 1,
-        k_cache, v_cache,
-        D=D, BLOCK_T=block_t, BLOCK_K=block_k, EPS=float(eps), ROPE_SCALE=float(rope_scale),
-        PAGED=paged, FP8=k_cache.dtype == FP8, INTERPRET=interpreting(), num_warps=num_warps,
+        h.contiguous(),
+        int32(positions),
+        int32(n_new),
+        wk.contiguous(),
+        wv.contiguous(),
+        k_norm_w.contiguous(),
+        inv_freq.float().contiguous(),
+        bt,
+        scale_tensor(kv_scale, dev),
+        k_cache,
+        v_cache,
+        N,
+        DM,
+        HKV,
+        k_cache.shape[1],
+        k_cache.shape[3],
+        bt.shape[-1] if paged else 1,
+        k_cache,
+        v_cache,
+        D=D,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        EPS=float(eps),
+        ROPE_SCALE=float(rope_scale),
+        PAGED=paged,
+        FP8=k_cache.dtype == FP8,
+        INTERPRET=interpreting(),
+        num_warps=num_warps,
     )
     return k_cache, v_cache

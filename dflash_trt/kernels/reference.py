@@ -44,9 +44,16 @@ def _decode(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.float() * scale if x.dtype == FP8 else x.float()
 
 
-def kv_project_ref(h: torch.Tensor, positions: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
-                   k_norm_w: torch.Tensor, inv_freq: torch.Tensor, eps: float,
-                   rope_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_project_ref(
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    rope_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's context K/V in fp32.
 
     h [n, d], positions [n], wk/wv [H_kv*D, d], k_norm_w [D], inv_freq [D/2] -> k, v [H_kv, n, D].
@@ -60,13 +67,27 @@ def kv_project_ref(h: torch.Tensor, positions: torch.Tensor, wk: torch.Tensor, w
     freqs = positions.float()[:, None] * inv_freq.float()  # [n, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [n, 1, D]
     cos, sin = emb.cos() * rope_scale, emb.sin() * rope_scale
-    rot = torch.cat((-k[..., D // 2:], k[..., : D // 2]), dim=-1)
+    rot = torch.cat((-k[..., D // 2 :], k[..., : D // 2]), dim=-1)
     k = k * cos + rot * sin
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
-def kv_inject_ref(h, positions, n_new, wk, wv, k_norm_w, inv_freq, k_cache, v_cache, *,
-                  eps: float = 1e-6, block_table=None, kv_scale=None, rope_scale: float = 1.0):
+def kv_inject_ref(
+    h,
+    positions,
+    n_new,
+    wk,
+    wv,
+    k_norm_w,
+    inv_freq,
+    k_cache,
+    v_cache,
+    *,
+    eps: float = 1e-6,
+    block_table=None,
+    kv_scale=None,
+    rope_scale: float = 1.0,
+):
     """Write every layer's context K/V into the caches in place; returns (k_cache, v_cache).
 
     h [R, n, d]; positions [R, n]; n_new [R] (first n_new[r] tokens of row r are valid);
@@ -81,8 +102,7 @@ def kv_inject_ref(h, positions, n_new, wk, wv, k_norm_w, inv_freq, k_cache, v_ca
             continue
         pos = positions[r, :nv].long()
         for layer in range(wk.shape[0]):
-            k, v = kv_project_ref(h[r, :nv], pos, wk[layer], wv[layer], k_norm_w[layer], inv_freq, eps,
-                                  rope_scale)
+            k, v = kv_project_ref(h[r, :nv], pos, wk[layer], wv[layer], k_norm_w[layer], inv_freq, eps, rope_scale)
             if block_table is None:
                 k_cache[layer, r, :, pos] = _encode(k, k_cache.dtype, ks)
                 v_cache[layer, r, :, pos] = _encode(v, v_cache.dtype, vs)
@@ -103,8 +123,9 @@ def gather_context(cache: torch.Tensor, r: int, length: int, block_table=None) -
     return cache[block_table[r, pos // ps].long(), :, pos % ps].transpose(0, 1)
 
 
-def block_draft_attention_ref(q, k_blk, v_blk, k_cache, v_cache, ctx_len, *, block_table=None,
-                              kv_scale=None) -> torch.Tensor:
+def block_draft_attention_ref(
+    q, k_blk, v_blk, k_cache, v_cache, ctx_len, *, block_table=None, kv_scale=None
+) -> torch.Tensor:
     """Non-causal block attention over [row's context ; the block's own K/V].
 
     q [R, H, B, D]; k_blk/v_blk [R, H_kv, B, D]; caches [R, H_kv, S_max, D] (or pools
@@ -119,6 +140,6 @@ def block_draft_attention_ref(q, k_blk, v_blk, k_cache, v_cache, ctx_len, *, blo
         v = torch.cat([_decode(gather_context(v_cache, r, c, block_table), vs), v_blk[r].float()], dim=1)
         rep = H // k.shape[0]
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # [H, c+B, D]
-        att = (q[r].float() @ k.transpose(1, 2) * D ** -0.5).softmax(-1)
+        att = (q[r].float() @ k.transpose(1, 2) * D**-0.5).softmax(-1)
         out[r] = (att @ v).to(q.dtype)
     return out

@@ -21,7 +21,8 @@ NOTE: no `from __future__ import annotations` -- trtp reads these annotations at
 """
 
 import os
-from typing import Tuple, Union
+
+import torch
 
 from dflash_trt.kernels import aot
 
@@ -38,6 +39,7 @@ class TensorRTUnavailable(RuntimeError):
 
 def tensorrt_available() -> bool:
     try:
+        # deferred: optional dependency (only in the NGC TensorRT-LLM container)
         import tensorrt.plugin as trtp
     except Exception:  # ImportError, or a broken CUDA setup raising at import
         return False
@@ -46,6 +48,7 @@ def tensorrt_available() -> bool:
 
 def _require_trt():
     try:
+        # deferred: optional dependency (only in the NGC TensorRT-LLM container)
         import tensorrt as trt
         import tensorrt.plugin as trtp
     except Exception as e:
@@ -53,10 +56,13 @@ def _require_trt():
             "DFlash TensorRT plugins need the `tensorrt` Python package, which is not installable "
             "with pip here: run this inside the NGC TensorRT-LLM container "
             "(nvcr.io/nvidia/tensorrt-llm/release), which ships tensorrt with tensorrt.plugin. "
-            f"Import failed with: {type(e).__name__}: {e}") from e
+            f"Import failed with: {type(e).__name__}: {e}"
+        ) from e
     if not hasattr(trtp, "aot_impl"):
-        raise TensorRTUnavailable(f"tensorrt {trt.__version__} has no tensorrt.plugin.aot_impl (AOT "
-                                  "quickly-deployable plugins); use a newer NGC TensorRT-LLM container")
+        raise TensorRTUnavailable(
+            f"tensorrt {trt.__version__} has no tensorrt.plugin.aot_impl (AOT "
+            "quickly-deployable plugins); use a newer NGC TensorRT-LLM container"
+        )
     return trt, trtp
 
 
@@ -70,8 +76,6 @@ def _type_name(trt, dtype) -> str:
 
 
 def _current_arch() -> str:
-    import torch
-
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major * 10 + minor}"
 
@@ -85,8 +89,12 @@ def kernel_for(spec: aot.KernelSpec, arch: str | None = None) -> tuple[str, str,
     root = os.environ.get(KERNEL_DIR_ENV)
     if root:
         for e in aot.load_manifest(root)["kernels"]:
-            if e["name"] == spec.name and e["arch"] == arch and e["constexprs"] == spec.constexprs \
-                    and e["signature"] == spec.types:
+            if (
+                e["name"] == spec.name
+                and e["arch"] == arch
+                and e["constexprs"] == spec.constexprs
+                and e["signature"] == spec.types
+            ):
                 ptx = open(os.path.join(root, e["files"]["trt.ptx"]["path"])).read()
                 return e["entry"], ptx, e["num_warps"], e["shared_mem"]
     ck = aot.compile_spec(spec, arch)
@@ -111,21 +119,56 @@ def register_plugins() -> tuple[str, str]:
 
     # ---- DFlashKVInject: context features -> K/V of all layers, written into the caches ----
     @trtp.register(KV_INJECT_ID)
-    def kv_inject_desc(h: TD, positions: TD, n_new: TD, wk: TD, wv: TD, k_norm_w: TD, inv_freq: TD,
-                       block_table: TD, kv_scale: TD, k_cache: TD, v_cache: TD, layers: int, heads: int,
-                       kv_heads: int, head_dim: int, block_size: int, rope_theta: float, cache_layout: str,
-                       eps: float) -> Tuple[TD, TD]:
+    def kv_inject_desc(
+        h: TD,
+        positions: TD,
+        n_new: TD,
+        wk: TD,
+        wv: TD,
+        k_norm_w: TD,
+        inv_freq: TD,
+        block_table: TD,
+        kv_scale: TD,
+        k_cache: TD,
+        v_cache: TD,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        rope_theta: float,
+        cache_layout: str,
+        eps: float,
+    ) -> tuple[TD, TD]:
         # h [R, n, d]; positions [R, n] i32; n_new [R] i32; wk/wv [L, H_kv*D, d]; k_norm_w [L, D];
         # inv_freq [D/2] f32 (rope_inv_freq(D, rope_theta) or a scaled variant); block_table
         # [R, max_pages] i32; kv_scale [2] f32; caches [L, R|pages, H_kv, S_max|page_size, D]
         return k_cache.aliased(), v_cache.aliased()
 
     @trtp.aot_impl(KV_INJECT_ID)
-    def kv_inject_aot(h: TD, positions: TD, n_new: TD, wk: TD, wv: TD, k_norm_w: TD, inv_freq: TD,
-                      block_table: TD, kv_scale: TD, k_cache: TD, v_cache: TD, layers: int, heads: int,
-                      kv_heads: int, head_dim: int, block_size: int, rope_theta: float, cache_layout: str,
-                      eps: float, outputs: Tuple[TD], tactic: int
-                      ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+    def kv_inject_aot(
+        h: TD,
+        positions: TD,
+        n_new: TD,
+        wk: TD,
+        wv: TD,
+        k_norm_w: TD,
+        inv_freq: TD,
+        block_table: TD,
+        kv_scale: TD,
+        k_cache: TD,
+        v_cache: TD,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        rope_theta: float,
+        cache_layout: str,
+        eps: float,
+        outputs: tuple[TD],
+        tactic: int,
+    ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         fp8 = _type_name(trt, k_cache.dtype) == "fp8e4nv"
         spec = aot.kv_inject_spec(_type_name(trt, h.dtype), head_dim, cache_layout == "paged", fp8, eps)
         name, ptx, warps, shared = kernel_for(spec)
@@ -136,20 +179,49 @@ def register_plugins() -> tuple[str, str]:
 
     # ---- DFlashBlockAttention: block queries vs [row context ; block K/V] of one layer ----
     @trtp.register(BLOCK_ATTENTION_ID)
-    def block_attention_desc(q: TD, k_blk: TD, v_blk: TD, k_cache: TD, v_cache: TD, ctx_len: TD,
-                             block_table: TD, kv_scale: TD, layers: int, heads: int, kv_heads: int,
-                             head_dim: int, block_size: int, rope_theta: float, cache_layout: str,
-                             layer: int) -> TD:
+    def block_attention_desc(
+        q: TD,
+        k_blk: TD,
+        v_blk: TD,
+        k_cache: TD,
+        v_cache: TD,
+        ctx_len: TD,
+        block_table: TD,
+        kv_scale: TD,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        rope_theta: float,
+        cache_layout: str,
+        layer: int,
+    ) -> TD:
         # q [R, H, B, D]; k_blk/v_blk [R, H_kv, B, D]; caches [L, R|pages, H_kv, S_max|page_size, D]
         # read at `layer`; ctx_len [R] i32; block_table [R, max_pages] i32; kv_scale [2] f32
         return q.like()
 
     @trtp.aot_impl(BLOCK_ATTENTION_ID)
-    def block_attention_aot(q: TD, k_blk: TD, v_blk: TD, k_cache: TD, v_cache: TD, ctx_len: TD,
-                            block_table: TD, kv_scale: TD, layers: int, heads: int, kv_heads: int,
-                            head_dim: int, block_size: int, rope_theta: float, cache_layout: str, layer: int,
-                            outputs: Tuple[TD], tactic: int
-                            ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+    def block_attention_aot(
+        q: TD,
+        k_blk: TD,
+        v_blk: TD,
+        k_cache: TD,
+        v_cache: TD,
+        ctx_len: TD,
+        block_table: TD,
+        kv_scale: TD,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        rope_theta: float,
+        cache_layout: str,
+        layer: int,
+        outputs: tuple[TD],
+        tactic: int,
+    ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         fp8 = _type_name(trt, k_cache.dtype) == "fp8e4nv"
         spec = aot.attention_spec(_type_name(trt, q.dtype), head_dim, cache_layout == "paged", fp8, block_size)
         name, ptx, warps, shared = kernel_for(spec)

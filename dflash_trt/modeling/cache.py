@@ -15,8 +15,16 @@ from dflash_trt.errors import DFlashError
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.max_len = max_len
         shape = (batch, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -32,8 +40,10 @@ class KVCache:
             return  # a host sync cannot be captured; modeling/cuda_graph.py checks before each replay
         need = int(self.lengths.max()) + n
         if need > self.max_len:
-            raise DFlashError(f"KV cache full: {need} positions needed, max_len={self.max_len}; "
-                              f"raise max_seq_len or shorten the prompt / max_new_tokens")
+            raise DFlashError(
+                f"KV cache full: {need} positions needed, max_len={self.max_len}; "
+                f"raise max_seq_len or shorten the prompt / max_new_tokens"
+            )
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store k, v [R, H_kv, n, D] at slots positions [R, n] (absolute positions)."""
@@ -55,7 +65,7 @@ class KVCache:
         self.v = [t[rows] for t in self.v]
         self.lengths = self.lengths[rows]
 
-    def extend(self, other: "KVCache") -> None:
+    def extend(self, other: KVCache) -> None:
         """Append other's rows (requests joining the batch). Both caches must share max_len."""
         if other.max_len != self.max_len or len(other.k) != len(self.k):
             raise ValueError(f"cannot join caches of max_len {other.max_len} and {self.max_len}")

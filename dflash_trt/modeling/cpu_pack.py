@@ -70,7 +70,7 @@ class PackedLinear(nn.Module):
         y = torch._C._nn.mkldnn_linear(x2.to_mkldnn(), self._packed_w, self._packed_b).to_dense()
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def __deepcopy__(self, memo) -> "PackedLinear":
+    def __deepcopy__(self, memo) -> PackedLinear:
         # oneDNN tensors have no storage for copy.deepcopy to copy: rebuild from their dense form
         lin = nn.Linear(self.in_features, self.out_features, bias=self._packed_b is not None, dtype=self._dtype)
         with torch.no_grad():
@@ -82,8 +82,10 @@ class PackedLinear(nn.Module):
         return PackedLinear(lin, keep_dense=self.weight is not None, register_dense=self._registered)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self._packed_b is not None}, dtype={self._dtype}, packed=oneDNN")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self._packed_b is not None}, dtype={self._dtype}, packed=oneDNN"
+        )
 
 
 def _swap(module: nn.Module, register_dense: bool = False) -> int:

@@ -21,7 +21,7 @@ sync) runs before the replay, outside the graph.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -90,8 +90,9 @@ class DrafterGraph:
         c = self.cache
         c.lengths = self.lengths
         self.drafter.inject_context(self.taps, self.num_new, c)  # rebinds c.lengths (graph output)
-        block = torch.where(torch.arange(self.mask.shape[1], device=self.mask.device) == 0,
-                            self.last[:, None], self.mask)
+        block = torch.where(
+            torch.arange(self.mask.shape[1], device=self.mask.device) == 0, self.last[:, None], self.mask
+        )
         return c.lengths, block, self.drafter.draft_logits(block, c)
 
     def __call__(self, taps: torch.Tensor, num_new: torch.Tensor, last: torch.Tensor):

@@ -10,6 +10,10 @@ head) and its two inference operations over a `KVCache` of context K/V:
   draft_block:    block [x0, MASK * (B-1)] at positions ctx_len..ctx_len+B-1; each layer's queries
                   come from the block only and attend, without a causal mask, to all context
                   K/V plus the block's own K/V. Output i (i >= 1) predicts block token i.
+                  z-lab fields the reference honours: input_embedding_scale scales the block's
+                  embeddings; a causal / sliding-window layer (is_causal, layer_types,
+                  sliding_window) narrows its mask; output_multiplier and final_logit_softcapping
+                  shape the draft logits (finish_logits).
 
 The embedding and LM head are the target's (frozen, shared, not saved). Training-time forward
 (many blocks per sequence under one mask) lives in the training module and uses these layers.
@@ -17,9 +21,7 @@ The embedding and LM head are the target's (frozen, shared, not saved). Training
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -27,10 +29,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash_trt.atomic import atomic_dir
 from dflash_trt.config import DrafterConfig
-from dflash_trt.modeling.cache import KVCache
-from dflash_trt.modeling.target import apply_rope, cached_attention
 from dflash_trt.errors import CheckpointError, IncompatibleModelsError
+from dflash_trt.modeling.cache import KVCache
+from dflash_trt.modeling.cpu_pack import packed_matrix
+from dflash_trt.modeling.fast_path import drafter_ops
+from dflash_trt.modeling.target import apply_rope, cached_attention
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -54,14 +59,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.attention_scaling = 1.0
         if cfg.rope_scaling:
+            # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
             from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             rp = {"rope_theta": cfg.rope_theta, **cfg.rope_scaling}
             rope_type = rp.get("rope_type", rp.get("type"))
-            hf_cfg = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                                 head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                                 rope_parameters={**rp, "rope_type": rope_type})
+            hf_cfg = Qwen3Config(
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                head_dim=cfg.head_dim,
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_parameters={**rp, "rope_type": rope_type},
+            )
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, None)
         else:
             d = cfg.head_dim
@@ -85,7 +95,7 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * D, d, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.scale = D ** -0.5
+        self.scale = D**-0.5
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V of x [R, n, d] -> each [R, H_kv, n, D]."""
@@ -107,8 +117,13 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(d, f, bias=False), "up_proj": nn.Linear(d, f, bias=False),
-                                  "down_proj": nn.Linear(f, d, bias=False)})
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(d, f, bias=False),
+                "up_proj": nn.Linear(d, f, bias=False),
+                "down_proj": nn.Linear(f, d, bias=False),
+            }
+        )
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mlp
@@ -145,7 +160,7 @@ class DFlashDrafter(nn.Module):
     def target_layer_ids(self) -> list[int]:
         return self.config.target_layer_ids
 
-    def bind(self, target, cast: bool = True) -> "DFlashDrafter":
+    def bind(self, target, cast: bool = True) -> DFlashDrafter:
         """Share the target's embedding and LM head after checking the two fit together.
         cast=True moves the drafter to the target's device and dtype (inference)."""
         check_compatible(self.config, target)
@@ -165,8 +180,6 @@ class DFlashDrafter(nn.Module):
         """Run inject_context / draft_block on the Triton kernels ("triton"), the PyTorch
         reference ("torch") or whichever fits this device ("auto"); returns the one in use.
         Caches made before a switch belong to the old path (make new ones)."""
-        from dflash_trt.modeling.fast_path import drafter_ops
-
         self._fast = drafter_ops(self, mode)
         return self.kernels
 
@@ -178,8 +191,15 @@ class DFlashDrafter(nn.Module):
         c = self.config
         make = KVCache if self._fast is None else self._fast.new_cache  # the kernels want [L, R, ...] stacked
         # + 2 blocks of scratch: a block is written past the context, padded rows past that
-        return make(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len + 2 * c.block_size,
-                    self.fc.weight.dtype, self.fc.weight.device)
+        return make(
+            c.num_hidden_layers,
+            batch,
+            c.num_key_value_heads,
+            c.head_dim,
+            max_len + 2 * c.block_size,
+            self.fc.weight.dtype,
+            self.fc.weight.device,
+        )
 
     # ---- inference ----------------------------------------------------------------------
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
@@ -212,8 +232,15 @@ class DFlashDrafter(nn.Module):
         R, B = block_ids.shape
         cache.check_room(B)
         positions = cache.lengths[:, None] + torch.arange(B, device=block_ids.device)  # [R, B]
-        attend = _cached_block_attention(cache, positions) if self._fast is None else self._fast.block_attention(cache)
-        x = self.target.embed(block_ids).to(self.fc.weight.dtype)
+        attend = (
+            _cached_block_attention(cache, positions, self.config)
+            if self._fast is None
+            else self._fast.block_attention(cache)
+        )
+        x = self.target.embed(block_ids)
+        if self.config.input_embedding_scale != 1.0:  # in the embedding's dtype, as the reference scales it
+            x = x * self.config.input_embedding_scale
+        x = x.to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
@@ -235,8 +262,6 @@ class DFlashDrafter(nn.Module):
             if getattr(self, "_head_rows", (None,))[0] != key:
                 rows = w.detach().index_select(0, self.draft_vocab.to(w.device))
                 if packed:
-                    from dflash_trt.modeling.cpu_pack import packed_matrix
-
                     rows = packed_matrix(rows)
                 object.__setattr__(self, "_head_rows", (key, rows))
             if packed:
@@ -246,41 +271,52 @@ class DFlashDrafter(nn.Module):
             return head(hidden.to(w.dtype)).float()
         return F.linear(hidden.to(w.dtype), w).float()
 
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., Vd] -> draft logits: times output_multiplier, then softcapped to
+        c * tanh(logits / c), as the reference's compute_logits (identity for a plain drafter)."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
     def draft_logits(self, block_ids: torch.Tensor, cache: KVCache, full_vocab: bool = True) -> torch.Tensor:
         """Logits [R, B-1, V] (float32) for block positions 1..B-1, via the target's LM head.
         With a draft vocabulary, tokens outside it get -inf (probability 0 under the draft), or
         with full_vocab=False the logits stay over the draft vocabulary [R, B-1, Vd] (column j is
         token draft_vocab[j]): greedy drafting needs no V-wide tensor (on a CPU, scattering,
         argmax and softmax over 152K columns took a quarter of a 1-layer drafter's step)."""
-        logits = self.head_logits(self.draft_block(block_ids, cache)[:, 1:])
+        logits = self.finish_logits(self.head_logits(self.draft_block(block_ids, cache)[:, 1:]))
         if self.draft_vocab is None or not full_vocab:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
 
     # ---- checkpoint ---------------------------------------------------------------------
-    def save_pretrained(self, folder: str | Path) -> None:
-        """Write config.json + model.safetensors atomically (temp dir, then rename)."""
-        folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-        try:
-            self.config.save(tmp)
-            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+    def save_pretrained(self, folder: str | Path, portable: bool = False) -> None:
+        """Write config.json + model.safetensors atomically (dflash_trt/atomic.py: temp dir, then rename).
+        torch_dtype names the dtype the tensors are written in. portable=True writes a plain z-lab
+        checkpoint without the draft-vocabulary extension (no draft_vocab tensor or draft_vocab_size):
+        the reference loads it with no missing or unexpected keys, and drafts over the whole vocabulary."""
+        state = {
+            k: v.detach().contiguous().cpu()
+            for k, v in self.state_dict().items()
+            if not (portable and k == "draft_vocab")
+        }
+        cfg = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
+        with atomic_dir(folder) as tmp:
+            cfg.save(tmp, portable)
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, target=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
+    def from_pretrained(cls, folder: str | Path, target=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
         folder = Path(folder)
         if not folder.is_dir():
-            raise CheckpointError(f"drafter {folder}: not a folder; expected config.json + {WEIGHTS_NAME} "
-                                  f"(train one with `dflash-trt train`)")
+            raise CheckpointError(
+                f"drafter {folder}: not a folder; expected config.json + {WEIGHTS_NAME} "
+                f"(train one with `dflash-trt train`)"
+            )
         cfg = DrafterConfig.load(folder)
         wfile = folder / WEIGHTS_NAME
         if not wfile.is_file():
@@ -292,8 +328,14 @@ class DFlashDrafter(nn.Module):
         return cls.from_state_dict(cfg, state, str(wfile), target, dtype)
 
     @classmethod
-    def from_state_dict(cls, cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str, target=None,
-                        dtype: torch.dtype | None = None) -> "DFlashDrafter":
+    def from_state_dict(
+        cls,
+        cfg: DrafterConfig,
+        state: dict[str, torch.Tensor],
+        source: str,
+        target=None,
+        dtype: torch.dtype | None = None,
+    ) -> DFlashDrafter:
         """A drafter of config `cfg` with the weights of `state` (from `source`, named in errors),
         after checking every tensor is there with the shape the config implies."""
         model = cls(cfg)
@@ -301,16 +343,30 @@ class DFlashDrafter(nn.Module):
         missing = sorted(set(ours) - set(state))
         if missing:
             raise CheckpointError(f"drafter {source}: missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        unexpected = sorted(set(state) - set(ours))
+        if unexpected:  # weights of something this drafter does not implement: refusing beats ignoring them
+            raise CheckpointError(
+                f"drafter {source}: unexpected tensors {unexpected[:4]}"
+                f"{'...' if len(unexpected) > 4 else ''} (not part of a DFlash drafter of this "
+                f"config.json; dflash-trt does not implement them)"
+            )
         for k, t in ours.items():
             if tuple(state[k].shape) != tuple(t.shape):
-                raise CheckpointError(f"drafter {source}: tensor {k} has shape {tuple(state[k].shape)}, "
-                                      f"config.json implies {tuple(t.shape)}")
+                raise CheckpointError(
+                    f"drafter {source}: tensor {k} has shape {tuple(state[k].shape)}, "
+                    f"config.json implies {tuple(t.shape)}"
+                )
         if model.draft_vocab is not None:
             dv = state["draft_vocab"]
-            if dv.dtype != torch.int64 or bool((dv < 0).any() | (dv >= cfg.vocab_size).any()) or \
-                    (len(dv) > 1 and not bool((dv[1:] > dv[:-1]).all())):
-                raise CheckpointError(f"drafter {source}: draft_vocab must hold sorted, distinct int64 token ids "
-                                      f"in 0..{cfg.vocab_size - 1}")
+            if (
+                dv.dtype != torch.int64
+                or bool((dv < 0).any() | (dv >= cfg.vocab_size).any())
+                or (len(dv) > 1 and not bool((dv[1:] > dv[:-1]).all()))
+            ):
+                raise CheckpointError(
+                    f"drafter {source}: draft_vocab must hold sorted, distinct int64 token ids "
+                    f"in 0..{cfg.vocab_size - 1}"
+                )
         model.load_state_dict({k: state[k] for k in ours}, strict=True)
         if dtype is not None:
             model.to(dtype)
@@ -319,18 +375,34 @@ class DFlashDrafter(nn.Module):
         return model.eval()
 
 
-def _cached_block_attention(cache: KVCache, positions: torch.Tensor):
+def _cached_block_attention(cache: KVCache, positions: torch.Tensor, cfg: DrafterConfig):
     """The reference block attention: write the block's K/V into the scratch slots past the
-    context, then attend over slots [0, ctx_len + B) of the row (no causal mask)."""
+    context, then attend over slots [0, ctx_len + B) of the row: no mask in a plain layer; a
+    causal layer sees slots <= its own position, a sliding one slots within the window (both
+    sides when not causal). Slot == absolute position, as the reference's key index is."""
     R, B = positions.shape
     upto = int(positions.max()) + 1
-    limit = cache.lengths + B  # context + whole block, no causal mask
-    visible = (torch.arange(upto, device=positions.device)[None, :] < limit[:, None])[:, None, :].expand(R, B, upto)
+    slots = torch.arange(upto, device=positions.device)[None, None, :]  # [1, 1, S]
+    limit = cache.lengths + B  # context + whole block
+    plain = (slots < limit[:, None, None]).expand(R, B, upto)  # [R, B, S]
+    masks: dict[tuple[bool, int | None], torch.Tensor] = {(False, None): plain}
+
+    def visible(i: int) -> torch.Tensor:
+        causal, window = key = cfg.layer_attention(i)
+        if key not in masks:
+            q = positions[:, :, None]  # [R, B, 1]
+            m = plain & (slots <= q) if causal else plain
+            if window is not None:
+                m = m & (q - slots < window)
+                if not causal:
+                    m = m & (slots - q < window)
+            masks[key] = m
+        return masks[key]
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache.write(i, k, v, positions)
         k_all, v_all = cache.view(i, upto)
-        return cached_attention(q, k_all, v_all, visible, q.shape[-1] ** -0.5)
+        return cached_attention(q, k_all, v_all, visible(i), q.shape[-1] ** -0.5)
 
     return attend
 
@@ -349,6 +421,8 @@ def check_compatible(cfg: DrafterConfig, target) -> None:
     if bad:
         problems.append(f"dflash_config.target_layer_ids {bad} outside the target's layers 0..{target.num_layers - 1}")
     if problems:
-        raise IncompatibleModelsError("drafter does not fit the target: " + "; ".join(problems)
-                                      + " (train a drafter for this target with `dflash-trt train`)")
-
+        raise IncompatibleModelsError(
+            "drafter does not fit the target: "
+            + "; ".join(problems)
+            + " (train a drafter for this target with `dflash-trt train`)"
+        )

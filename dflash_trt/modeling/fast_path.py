@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.modeling.cache import KVCache
-from dflash_trt.errors import DFlashError
+from dflash_trt import kernels
 from dflash_trt.decoding import verify
 from dflash_trt.decoding.verify import Verdict
+from dflash_trt.errors import DFlashError
+from dflash_trt.kernels import interpreting, triton_available
+from dflash_trt.modeling.cache import KVCache
 
 MODES = ("auto", "triton", "torch")
 
@@ -44,8 +46,6 @@ def check_mode(mode: str) -> str:
 
 def triton_unavailable_reason(device: torch.device | str) -> str | None:
     """Why the Triton launchers cannot run on `device` here (None when they can)."""
-    from dflash_trt.kernels import interpreting, triton_available
-
     device = torch.device(device)
     if not triton_available():
         return "Triton is not installed (pip install 'dflash-trt[kernels]')"
@@ -76,8 +76,16 @@ def resolve(mode: str, device: torch.device | str) -> str:
 class StackedKVCache(KVCache):
     """KVCache whose per-layer K/V are views of one contiguous [L, R, H_kv, S_max, D] tensor each."""
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.max_len = max_len
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self._set(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -94,8 +102,11 @@ class StackedKVCache(KVCache):
     def extend(self, other: KVCache) -> None:
         if other.max_len != self.max_len or len(other.k) != len(self.k):
             raise ValueError(f"cannot join caches of max_len {other.max_len} and {self.max_len}")
-        ok, ov = (other.k_all, other.v_all) if isinstance(other, StackedKVCache) else \
-            (torch.stack(other.k), torch.stack(other.v))
+        ok, ov = (
+            (other.k_all, other.v_all)
+            if isinstance(other, StackedKVCache)
+            else (torch.stack(other.k), torch.stack(other.v))
+        )
         self._set(torch.cat([self.k_all, ok], dim=1), torch.cat([self.v_all, ov], dim=1))
         self.lengths = torch.cat([self.lengths, other.lengths])
 
@@ -107,6 +118,11 @@ def drafter_unsupported_reason(cfg) -> str | None:
         return f"head_dim={D}: the drafter kernels need a power of two >= 32"
     if cfg.attention_bias:
         return "attention_bias=true: the drafter kernels have no k_proj / v_proj bias"
+    if not cfg.plain_attention:  # input_embedding_scale and the logit fields run outside the kernels
+        return (
+            "causal or sliding-window drafter layers (is_causal / layer_types): "
+            "the block attention kernel has no mask"
+        )
     return None
 
 
@@ -114,8 +130,6 @@ class TritonDrafterOps:
     """The drafter's two hot operations on the Triton kernels (see the module docstring)."""
 
     def __init__(self, drafter):
-        from dflash_trt import kernels
-
         reason = drafter_unsupported_reason(drafter.config)
         if reason is not None:
             raise DFlashError(f"kernels='triton': {reason}; use kernels='torch' (or 'auto')")
@@ -134,18 +148,22 @@ class TritonDrafterOps:
         params = [p for a in attns for p in (a.k_proj.weight, a.v_proj.weight, a.k_norm.weight)]
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
         if key != self._weights_key:
-            self._weights = (torch.stack([a.k_proj.weight for a in attns]).detach(),
-                             torch.stack([a.v_proj.weight for a in attns]).detach(),
-                             torch.stack([a.k_norm.weight for a in attns]).detach())
+            self._weights = (
+                torch.stack([a.k_proj.weight for a in attns]).detach(),
+                torch.stack([a.v_proj.weight for a in attns]).detach(),
+                torch.stack([a.k_norm.weight for a in attns]).detach(),
+            )
             self._weights_key = key
         return self._weights
 
     @staticmethod
     def _check_cache(cache) -> StackedKVCache:
         if not isinstance(cache, StackedKVCache):
-            raise DFlashError("the drafter kernels need the cache made by drafter.new_cache() after "
-                              "use_kernels('triton') (a stacked [L, R, H_kv, S, D] cache); "
-                              f"got {type(cache).__name__}")
+            raise DFlashError(
+                "the drafter kernels need the cache made by drafter.new_cache() after "
+                "use_kernels('triton') (a stacked [L, R, H_kv, S, D] cache); "
+                f"got {type(cache).__name__}"
+            )
         return cache
 
     def inject(self, ctx: torch.Tensor, positions: torch.Tensor, num_new: torch.Tensor, cache) -> None:
@@ -153,8 +171,19 @@ class TritonDrafterOps:
         cache = self._check_cache(cache)
         wk, wv, knw = self._stacked_weights()
         rotary = self.drafter.rotary
-        self._kv_inject(ctx, positions, num_new, wk, wv, knw, rotary.inv_freq, cache.k_all, cache.v_all,
-                        eps=self.drafter.config.rms_norm_eps, rope_scale=rotary.attention_scaling)
+        self._kv_inject(
+            ctx,
+            positions,
+            num_new,
+            wk,
+            wv,
+            knw,
+            rotary.inv_freq,
+            cache.k_all,
+            cache.v_all,
+            eps=self.drafter.config.rms_norm_eps,
+            rope_scale=rotary.attention_scaling,
+        )
 
     def block_attention(self, cache):
         """attend(layer, q [R, H, B, D], k, v [R, H_kv, B, D]) -> [R, H, B, D] for one block."""
@@ -200,8 +229,6 @@ class TritonAccept:
     name = "triton"
 
     def __init__(self):
-        from dflash_trt import kernels
-
         self._greedy, self._rejection = kernels.greedy_accept, kernels.rejection_accept
 
     def greedy(self, block: torch.Tensor, logits: torch.Tensor) -> Verdict:

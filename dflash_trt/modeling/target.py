@@ -4,8 +4,9 @@ attention over a croppable per-row KV cache.
 Boundary: weights, norms, MLPs and rotary tables are the Hugging Face modules themselves (so
 every RoPE variant and checkpoint quirk transformers handles is handled here); what this module
 owns is the attention over `KVCache` and the outputs speculative decoding needs: logits at the
-positions asked for, and the hidden states of the tapped layers (output of decoder layer `i`,
-before the final norm, i.e. transformers' `hidden_states[i + 1]`).
+positions asked for, and the hidden states of the tapped layers: transformers'
+`hidden_states[i + 1]` for tap `i`, as the DFlash reference and vLLM read them, i.e. the output
+of decoder layer `i`, except for the last layer (i = L-1), whose entry is after the final norm.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.modeling.cache import KVCache
 from dflash_trt.errors import CheckpointError, DFlashError
+from dflash_trt.modeling.cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -33,12 +34,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [R, H, n, D] against k/v [R, H_kv, S, D] where visible [R, n, S] is True; -> [R, H, n, D]."""
     # enable_gqa instead of repeat_interleave: materialising the repeated K/V was ~70% of a CPU decode step
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 @dataclass
@@ -54,8 +57,10 @@ class TargetModel(nn.Module):
         super().__init__()
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise DFlashError(f"target model_type={cfg.model_type!r} is not supported; "
-                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise DFlashError(
+                f"target model_type={cfg.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         self.hf = hf_model.eval()
         self.config = cfg
         base = hf_model.model
@@ -65,7 +70,7 @@ class TargetModel(nn.Module):
         self.head_dim = attn.head_dim
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.scale = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.scale = getattr(attn, "scaling", self.head_dim**-0.5)
         self.has_qk_norm = hasattr(attn, "q_norm")
         self.packed = False  # linear weights prepacked for the CPU (modeling/cpu_pack.py)
         for p in self.parameters():
@@ -73,18 +78,24 @@ class TargetModel(nn.Module):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                        device: str | torch.device = "cpu") -> "TargetModel":
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    ) -> TargetModel:
+        # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model folder "
-                                  f"(or a name known to `dflash-trt models list`)")
+            raise CheckpointError(
+                f"{path}: no config.json; expected a Hugging Face model folder "
+                f"(or a name known to `dflash-trt models list`)"
+            )
         cfg = AutoConfig.from_pretrained(path)
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise DFlashError(f"{path}: model_type={cfg.model_type!r} is not supported; "
-                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise DFlashError(
+                f"{path}: model_type={cfg.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         try:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, RuntimeError) as e:
@@ -122,13 +133,19 @@ class TargetModel(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, tap_layers: list[int] | None = None,
-                logits_at: torch.Tensor | None = None) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        tap_layers: list[int] | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> TargetOutput:
         """Append input_ids [R, n] to every row at positions cache.lengths[r] + 0..n-1.
 
         Advances cache.lengths by n; the caller crops rows that hold padding or rejected drafts.
         logits_at [R, m] selects the positions (0..n-1 within this input) to compute logits for;
-        None means all n. tap_layers lists the decoder layers whose outputs are returned.
+        None means all n. tap_layers lists the decoder layers whose outputs are returned (the last
+        layer's after the final norm, as transformers' hidden_states[L] is).
         """
         R, n = input_ids.shape
         cache.check_room(n)
@@ -139,11 +156,12 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary_emb(x, positions)
         taps = []
         want = set(tap_layers or [])
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, layer.input_layernorm(x), i, cache, positions, upto, visible, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in want:
-                taps.append(x)
+                taps.append(self.norm(x) if i == last else x)
         cache.lengths = cache.lengths + n
         tapped = None
         if tap_layers:

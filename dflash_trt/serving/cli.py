@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+import tempfile
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.api import resolve_target_dir
+from dflash_trt.cli_shared import friendly_errors
+from dflash_trt.errors import DFlashError
+from dflash_trt.hub.drafters import resolve_drafter
+from dflash_trt.serving.client import DFlashClient
+from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+from dflash_trt.serving.server import serve as run
 
 
 def register(main: click.Group) -> None:
     @main.command()
     @click.option("--model-repo", default=None, help="A filled model repository (from `dflash-trt build`).")
     @click.option("--target", default=None, help="Or: target name/folder, to fill a repository on the fly.")
-    @click.option("--drafter", "drafter_dir", default=None, help="Drafter folder or bundled drafter name (with --target).")
+    @click.option(
+        "--drafter", "drafter_dir", default=None, help="Drafter folder or bundled drafter name (with --target)."
+    )
     @click.option("--out", default=None, help="Where to write the on-the-fly repository (default: a temp dir).")
     @click.option("--grpc-port", default=8001, show_default=True, type=int)
     @click.option("--http-port", default=8000, show_default=True, type=int)
@@ -21,23 +30,15 @@ def register(main: click.Group) -> None:
     @friendly_errors
     def serve(model_repo, target, drafter_dir, out, grpc_port, http_port, metrics_port):
         """Start Triton Inference Server on 127.0.0.1 with the DFlash models; Ctrl-C stops it."""
-        import tempfile
-
-        from dflash_trt.errors import DFlashError
-        from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
-        from dflash_trt.serving.server import serve as run
-
         if model_repo is None:
             if not (target and drafter_dir):
                 raise DFlashError("give --model-repo DIR, or --target and --drafter to build one on the fly")
-            from dflash_trt.hub.drafters import resolve_drafter
-            from dflash_trt.api import resolve_target_dir
-
             drafter_dir = resolve_drafter(drafter_dir)
 
             out = out or tempfile.mkdtemp(prefix="dflash-repo-")
-            model_repo = fill_model_repo(default_template_dir(), out,
-                                         default_values(resolve_target_dir(target), drafter_dir))
+            model_repo = fill_model_repo(
+                default_template_dir(), out, default_values(resolve_target_dir(target), drafter_dir)
+            )
         raise SystemExit(run(model_repo, grpc_port, http_port, metrics_port, echo=click.echo))
 
     @main.command()
@@ -55,11 +56,14 @@ def register(main: click.Group) -> None:
     @friendly_errors
     def client(url, prompt, stream, max_tokens, temperature, top_k, top_p, seed, stop_words, chat, as_json):
         """Send one request to a running `dflash-trt serve` over gRPC."""
-        from dflash_trt.serving.client import DFlashClient
-
         c = DFlashClient(url)
-        kw = {"top_k": top_k, "top_p": top_p, "seed": seed, "stop_words": list(stop_words) or None,
-              "apply_chat_template": chat}
+        kw = {
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+            "stop_words": list(stop_words) or None,
+            "apply_chat_template": chat,
+        }
         if stream:  # text as it is accepted; --json: one object per chunk (text + statistics)
             last = {}
             for chunk in c.stream(prompt, max_tokens=max_tokens, temperature=temperature, **kw):
@@ -78,7 +82,9 @@ def register(main: click.Group) -> None:
 
     def _stats(res: dict) -> None:
         if res.get("acceptance_length") is not None:
-            click.echo(f"[{res.get('num_output_tokens')} tokens, finish {res.get('finish_reason')}, "
-                       f"acceptance length {res['acceptance_length']:.2f}, "
-                       f"accepted drafts {res.get('total_accepted_draft_tokens')}/{res.get('total_draft_tokens')}]",
-                       err=True)
+            click.echo(
+                f"[{res.get('num_output_tokens')} tokens, finish {res.get('finish_reason')}, "
+                f"acceptance length {res['acceptance_length']:.2f}, "
+                f"accepted drafts {res.get('total_accepted_draft_tokens')}/{res.get('total_draft_tokens')}]",
+                err=True,
+            )

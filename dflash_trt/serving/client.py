@@ -14,14 +14,20 @@ from __future__ import annotations
 import json
 import queue
 import uuid
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from dflash_trt.errors import DFlashError
 
-STATS = ("acceptance_rate", "acceptance_length", "total_accepted_draft_tokens", "total_draft_tokens",
-         "num_input_tokens", "num_output_tokens")
+STATS = (
+    "acceptance_rate",
+    "acceptance_length",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+)
 
 
 class ServingError(DFlashError):
@@ -30,6 +36,7 @@ class ServingError(DFlashError):
 
 def _grpc():
     try:
+        # deferred: optional dependency (the `serve` extra)
         import tritonclient.grpc as grpcclient
     except ImportError:
         raise DFlashError("tritonclient is not installed: pip install 'dflash-trt[serve]'") from None
@@ -37,25 +44,45 @@ def _grpc():
 
 
 def _tensor(g, name: str, value: np.ndarray):
-    dtype = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL",
-             np.dtype(np.uint64): "UINT64"}.get(value.dtype, "BYTES")
+    dtype = {
+        np.dtype(np.int32): "INT32",
+        np.dtype(np.float32): "FP32",
+        np.dtype(np.bool_): "BOOL",
+        np.dtype(np.uint64): "UINT64",
+    }.get(value.dtype, "BYTES")
     t = g.InferInput(name, list(value.shape), dtype)
     t.set_data_from_numpy(value)
     return t
 
 
-def build_inputs(prompt: str, max_tokens: int, *, stream: bool = False, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_words: Sequence[str] | None = None,
-                 end_id: int | None = None, exclude_input_in_output: bool = True, return_perf_metrics: bool = False,
-                 apply_chat_template: bool | None = None, omit: Sequence[str] = ()) -> list:
+def build_inputs(
+    prompt: str,
+    max_tokens: int,
+    *,
+    stream: bool = False,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_words: Sequence[str] | None = None,
+    end_id: int | None = None,
+    exclude_input_in_output: bool = True,
+    return_perf_metrics: bool = False,
+    apply_chat_template: bool | None = None,
+    omit: Sequence[str] = (),
+) -> list:
     """InferInputs for a text front door; `omit` drops named inputs (tests of missing fields)."""
     g = _grpc()
-    vals = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
-            "max_tokens": np.array([[max_tokens]], np.int32), "stream": np.array([[stream]], np.bool_),
-            "temperature": np.array([[temperature]], np.float32), "top_k": np.array([[top_k]], np.int32),
-            "top_p": np.array([[top_p]], np.float32),
-            "exclude_input_in_output": np.array([[exclude_input_in_output]], np.bool_),
-            "return_perf_metrics": np.array([[return_perf_metrics]], np.bool_)}
+    vals = {
+        "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
+        "max_tokens": np.array([[max_tokens]], np.int32),
+        "stream": np.array([[stream]], np.bool_),
+        "temperature": np.array([[temperature]], np.float32),
+        "top_k": np.array([[top_k]], np.int32),
+        "top_p": np.array([[top_p]], np.float32),
+        "exclude_input_in_output": np.array([[exclude_input_in_output]], np.bool_),
+        "return_perf_metrics": np.array([[return_perf_metrics]], np.bool_),
+    }
     if seed is not None:
         vals["seed"] = np.array([[seed]], np.uint64)
     if stop_words:
@@ -69,12 +96,15 @@ def build_inputs(prompt: str, max_tokens: int, *, stream: bool = False, temperat
 
 def parse_result(result) -> dict:
     """InferResult -> {text, finish_reason, <acceptance statistics>, perf_metrics}."""
+
     def one(name):
         a = result.as_numpy(name)
         return None if a is None else a.reshape(-1)[0]
 
-    out = {"text": (one("text_output") or b"").decode("utf-8"),
-           "finish_reason": (one("finish_reason") or b"").decode("utf-8")}
+    out = {
+        "text": (one("text_output") or b"").decode("utf-8"),
+        "finish_reason": (one("finish_reason") or b"").decode("utf-8"),
+    }
     for k in STATS:
         v = one(k)
         out[k] = None if v is None else (float(v) if k.startswith("acceptance") else int(v))
@@ -84,8 +114,13 @@ def parse_result(result) -> dict:
 
 
 class DFlashClient:
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "dflash_unary", stream_model: str = "dflash_bls",
-                 timeout: float | None = None):
+    def __init__(
+        self,
+        url: str = "127.0.0.1:8001",
+        model: str = "dflash_unary",
+        stream_model: str = "dflash_bls",
+        timeout: float | None = None,
+    ):
         self.url, self.model, self.stream_model, self.timeout = url, model, stream_model, timeout
         self._client = _grpc().InferenceServerClient(url)
 
@@ -95,9 +130,11 @@ class DFlashClient:
         except Exception:
             return False
 
-    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
-                 **kw) -> dict:
+    def generate(
+        self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, model: str | None = None, **kw
+    ) -> dict:
         """Whole completion in one unary call -> result dict (text + acceptance statistics)."""
+        # deferred: optional dependency (the `serve` extra)
         from tritonclient.utils import InferenceServerException
 
         inputs = build_inputs(prompt, max_tokens, temperature=temperature, stream=False, **kw)
@@ -107,10 +144,12 @@ class DFlashClient:
             raise ServingError(e.message() or str(e)) from None
         return parse_result(res)
 
-    def stream(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
-               **kw) -> Iterator[dict]:
+    def stream(
+        self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, model: str | None = None, **kw
+    ) -> Iterator[dict]:
         """Yield chunks ({text, final, finish_reason, statistics...}) as the server accepts tokens.
         The chunks' texts concatenate to generate()'s text. Closing the iterator early cancels."""
+        # deferred: optional dependency (the `serve` extra)
         from tritonclient.utils import InferenceServerException
 
         g = _grpc()
@@ -119,10 +158,10 @@ class DFlashClient:
         client = g.InferenceServerClient(self.url)
         done = False
         try:
-            client.start_stream(callback=lambda result, error: q.put((result, error)),
-                                stream_timeout=self.timeout)
-            client.async_stream_infer(model or self.stream_model, inputs, request_id=uuid.uuid4().hex,
-                                      enable_empty_final_response=True)
+            client.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=self.timeout)
+            client.async_stream_infer(
+                model or self.stream_model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
+            )
             while not done:
                 result, error = q.get(timeout=self.timeout)
                 if error is not None:
@@ -152,7 +191,7 @@ class DFlashClient:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> "DFlashClient":
+    def __enter__(self) -> DFlashClient:
         return self
 
     def __exit__(self, *exc) -> None:

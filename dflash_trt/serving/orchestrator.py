@@ -19,9 +19,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from pathlib import Path
+from typing import Protocol
 
+from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.protocol import Progress, TokenRequest
 
@@ -58,9 +61,16 @@ class _Job:
 
     def progress(self, num_prev: int, perf: dict | None = None) -> Progress:
         s = self.stats
-        return Progress(list(self.output), num_prev, self.finish_reason, len(self.req.prompt_ids),
-                        getattr(s, "num_draft_tokens", 0), getattr(s, "num_accepted_draft_tokens", 0),
-                        getattr(s, "num_verify_steps", 0), perf)
+        return Progress(
+            list(self.output),
+            num_prev,
+            self.finish_reason,
+            len(self.req.prompt_ids),
+            getattr(s, "num_draft_tokens", 0),
+            getattr(s, "num_accepted_draft_tokens", 0),
+            getattr(s, "num_verify_steps", 0),
+            perf,
+        )
 
 
 class Orchestrator:
@@ -79,22 +89,22 @@ class Orchestrator:
         self._thread = threading.Thread(target=self._loop, name="dflash-step-loop", daemon=True)
 
     # ---- any thread ---------------------------------------------------------------------
-    def start(self) -> "Orchestrator":
+    def start(self) -> Orchestrator:
         self._thread.start()
         return self
 
     def submit(self, req: TokenRequest, sink: Sink) -> None:
         """Queue a request; errors detectable now are sent on its sink at once."""
-        eng = self.engine
-        n, limit = len(req.prompt_ids), eng.max_seq_len
-        if n >= limit:
-            sink.error(f"text_input: prompt has {n} tokens but the context is max_seq_len={limit}; "
-                       f"shorten the prompt or raise max_seq_len")
-            return
-        vocab = eng.target.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            sink.error(f"input_ids: token ids {bad[:4]} outside the vocabulary 0..{vocab - 1}")
+        try:  # the engine's own check (decoding/prompt.py), before the request queues
+            check_prompt(
+                req.prompt_ids,
+                self.engine.target.vocab_size,
+                self.engine.max_seq_len,
+                "input_ids",
+                length_field="text_input",
+            )
+        except DFlashError as e:
+            sink.error(str(e))
             return
         key = req.request_key or f"req-{next(self._ids)}"
         self.metrics.request()
@@ -235,12 +245,12 @@ class Orchestrator:
         for seq in job.req.stop_sequences:
             n = len(seq)
             for end in range(max(start, n - 1), len(job.output)):
-                if job.output[end - n + 1:end + 1] == seq:
+                if job.output[end - n + 1 : end + 1] == seq:
                     best = end if best is None else min(best, end)
                     break
         if best is None:
             return False
-        del job.output[best + 1:]
+        del job.output[best + 1 :]
         return True
 
     def _count(self, job: _Job, new_tokens: int) -> None:
@@ -254,10 +264,15 @@ class Orchestrator:
         perf = None
         if job.req.sampling.return_perf_metrics:
             s, end = job.stats, time.perf_counter()
-            perf = {"e2e_time": end - job.arrived,
-                    "time_to_first_token": (job.first_token or end) - job.arrived,
-                    "prefill_time": s.prefill_time, "draft_time": s.draft_time, "verify_time": s.verify_time,
-                    "accept_hist": list(s.accept_hist), "block_size": s.block_size}
+            perf = {
+                "e2e_time": end - job.arrived,
+                "time_to_first_token": (job.first_token or end) - job.arrived,
+                "prefill_time": s.prefill_time,
+                "draft_time": s.draft_time,
+                "verify_time": s.verify_time,
+                "accept_hist": list(s.accept_hist),
+                "block_size": s.block_size,
+            }
         p = job.progress(job.sent if job.req.sampling.stream else 0, perf)
         self.metrics.finished(p)
         self._safe(job, lambda j: j.sink.send(p, True))
@@ -268,17 +283,25 @@ class Orchestrator:
         self._running.clear()
 
 
-def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str = "torch", max_batch: int = 16,
-                        max_seq_len: int = 2048, dtype: str = "auto", draft_cutoff: float = 0.0) -> Callable[[], object]:
+def load_engine_factory(
+    target_dir: str,
+    drafter_dir: str,
+    engine_backend: str = "torch",
+    max_batch: int = 16,
+    max_seq_len: int = 2048,
+    dtype: str = "auto",
+    draft_cutoff: float = 0.0,
+) -> Callable[[], object]:
     """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
     failure). Missing or mismatched folders raise DFlashError naming the file."""
-    from pathlib import Path
-
     if engine_backend != "torch":
-        raise DFlashError(f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
-                          f"(TensorRT-LLM engines are served by their own backend)")
+        raise DFlashError(
+            f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
+            f"(TensorRT-LLM engines are served by their own backend)"
+        )
     if max_batch < 1 or max_seq_len < 2:
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
+    # deferred: the Triton text models import this module (through triton_dflash) and must not load torch and the engine
     from dflash_trt.api import load_drafter, load_target
     from dflash_trt.decoding.draft_length import check_cutoff
     from dflash_trt.decoding.engine import SpecEngine
@@ -295,5 +318,6 @@ def load_engine_factory(target_dir: str, drafter_dir: str, engine_backend: str =
     drafter = load_drafter(target, str(drafter_dir)).eval()
     # cuda_graph off: under continuous batching the rows change almost every step and each change
     # would recapture the graph (modeling/cuda_graph.py), costing more than replay saves
-    return lambda: SpecEngine(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off",
-                              draft_cutoff=draft_cutoff)
+    return lambda: SpecEngine(
+        target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off", draft_cutoff=draft_cutoff
+    )

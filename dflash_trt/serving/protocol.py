@@ -14,27 +14,45 @@ RequestError naming the field; the caller turns it into an error response for th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
 from dflash_trt.config import SamplingParams
+from dflash_trt.decoding import stats as decode_stats
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.text import split_stop_sequences
 
-Getter = Callable[[str], Optional[np.ndarray]]
+Getter = Callable[[str], np.ndarray | None]
 
 # name -> (Triton type, required) for the text front doors; the ensemble's config lists the same.
 TEXT_INPUTS = {
-    "text_input": ("TYPE_STRING", True), "max_tokens": ("TYPE_INT32", True), "stream": ("TYPE_BOOL", False),
-    "temperature": ("TYPE_FP32", False), "top_k": ("TYPE_INT32", False), "top_p": ("TYPE_FP32", False),
-    "seed": ("TYPE_UINT64", False), "stop_words": ("TYPE_STRING", False), "end_id": ("TYPE_INT32", False),
-    "exclude_input_in_output": ("TYPE_BOOL", False), "return_perf_metrics": ("TYPE_BOOL", False),
+    "text_input": ("TYPE_STRING", True),
+    "max_tokens": ("TYPE_INT32", True),
+    "stream": ("TYPE_BOOL", False),
+    "temperature": ("TYPE_FP32", False),
+    "top_k": ("TYPE_INT32", False),
+    "top_p": ("TYPE_FP32", False),
+    "seed": ("TYPE_UINT64", False),
+    "stop_words": ("TYPE_STRING", False),
+    "end_id": ("TYPE_INT32", False),
+    "exclude_input_in_output": ("TYPE_BOOL", False),
+    "return_perf_metrics": ("TYPE_BOOL", False),
     "apply_chat_template": ("TYPE_BOOL", False),
 }
 # outputs of every text front door (one response per step when streaming, else one in all)
-TEXT_OUTPUTS = ("text_output", "finish_reason", "acceptance_rate", "acceptance_length", "total_accepted_draft_tokens",
-                "total_draft_tokens", "num_input_tokens", "num_output_tokens", "perf_metrics")
+TEXT_OUTPUTS = (
+    "text_output",
+    "finish_reason",
+    "acceptance_rate",
+    "acceptance_length",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+    "perf_metrics",
+)
 
 
 class RequestError(DFlashError):
@@ -100,9 +118,15 @@ class Sampling:
         ignore_eos = self.end_id is not None
         if self.end_id is not None and self.end_id >= 0:
             stops += (self.end_id,)
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_new_tokens=self.max_tokens, stop_token_ids=stops, seed=self.seed,
-                              ignore_eos=ignore_eos)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            max_new_tokens=self.max_tokens,
+            stop_token_ids=stops,
+            seed=self.seed,
+            ignore_eos=ignore_eos,
+        )
 
 
 def parse_sampling(get: Getter) -> Sampling:
@@ -111,10 +135,16 @@ def parse_sampling(get: Getter) -> Sampling:
         raise RequestError("max_tokens: required input missing (how many tokens to generate)")
     if max_tokens < 1:
         raise RequestError(f"max_tokens={max_tokens}: must be >= 1")
-    s = Sampling(max_tokens=max_tokens, stream=_bool(get, "stream", False),
-                 temperature=_float(get, "temperature", 0.0), top_k=_int(get, "top_k", 0),
-                 top_p=_float(get, "top_p", 1.0), seed=_int(get, "seed", None), end_id=_int(get, "end_id", None),
-                 return_perf_metrics=_bool(get, "return_perf_metrics", False))
+    s = Sampling(
+        max_tokens=max_tokens,
+        stream=_bool(get, "stream", False),
+        temperature=_float(get, "temperature", 0.0),
+        top_k=_int(get, "top_k", 0),
+        top_p=_float(get, "top_p", 1.0),
+        seed=_int(get, "seed", None),
+        end_id=_int(get, "end_id", None),
+        return_perf_metrics=_bool(get, "return_perf_metrics", False),
+    )
     if not np.isfinite(s.temperature) or s.temperature < 0:
         raise RequestError(f"temperature={s.temperature}: must be >= 0 (0 is greedy)")
     if s.top_k < 0:
@@ -166,8 +196,6 @@ class CancelRequest:
 
 
 def parse_token_request(get: Getter) -> TokenRequest | CancelRequest:
-    from dflash_trt.serving.text import split_stop_sequences
-
     cancel = _one(get, "cancel_key")
     if cancel is not None:
         return CancelRequest(_str(cancel, "cancel_key"))
@@ -183,9 +211,13 @@ def parse_token_request(get: Getter) -> TokenRequest | CancelRequest:
     stops = get("stop_sequences")
     key = _one(get, "request_key")
     stop_sequences = split_stop_sequences(stops.reshape(-1)) if stops is not None else []
-    return TokenRequest(prompt, parse_sampling(get), stop_sequences,
-                        _str(key, "request_key") if key is not None else None,
-                        _bool(get, "exclude_input_in_output", True))
+    return TokenRequest(
+        prompt,
+        parse_sampling(get),
+        stop_sequences,
+        _str(key, "request_key") if key is not None else None,
+        _bool(get, "exclude_input_in_output", True),
+    )
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -204,12 +236,12 @@ class Progress:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return decode_stats.acceptance_rate(self.num_accepted_draft_tokens, self.num_draft_tokens)
 
     @property
     def acceptance_length(self) -> float:
-        s = self.num_verify_steps
-        return (self.num_accepted_draft_tokens + s) / s if s else 0.0
+        """tau, as decoding/stats.py defines it."""
+        return decode_stats.tau(self.num_accepted_draft_tokens, self.num_verify_steps)
 
 
 def token_outputs(p: Progress, prefix_ids=()) -> dict[str, np.ndarray]:
@@ -234,14 +266,16 @@ def token_outputs(p: Progress, prefix_ids=()) -> dict[str, np.ndarray]:
 def progress_from(get: Getter) -> Progress:
     """Inverse of token_outputs (front doors read the engine model's responses with it)."""
     perf = _str(_one(get, "perf_metrics") or b"", "perf_metrics")
-    return Progress(output_ids=[int(t) for t in np.asarray(get("output_ids")).reshape(-1)],
-                    num_prev=_int(get, "num_prev_tokens", 0),
-                    finish_reason=_str(_one(get, "finish_reason"), "finish_reason"),
-                    num_input_tokens=_int(get, "num_input_tokens", 0),
-                    num_draft_tokens=_int(get, "total_draft_tokens", 0),
-                    num_accepted_draft_tokens=_int(get, "total_accepted_draft_tokens", 0),
-                    num_verify_steps=_int(get, "num_verify_steps", 0),
-                    perf=json.loads(perf) if perf else None)
+    return Progress(
+        output_ids=[int(t) for t in np.asarray(get("output_ids")).reshape(-1)],
+        num_prev=_int(get, "num_prev_tokens", 0),
+        finish_reason=_str(_one(get, "finish_reason"), "finish_reason"),
+        num_input_tokens=_int(get, "num_input_tokens", 0),
+        num_draft_tokens=_int(get, "total_draft_tokens", 0),
+        num_accepted_draft_tokens=_int(get, "total_accepted_draft_tokens", 0),
+        num_verify_steps=_int(get, "num_verify_steps", 0),
+        perf=json.loads(perf) if perf else None,
+    )
 
 
 def text_outputs(text: str, p: Progress) -> dict[str, np.ndarray]:

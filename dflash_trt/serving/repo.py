@@ -13,12 +13,11 @@ draft_cutoff (`default_values()`).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
+from dflash_trt.atomic import atomic_dir
 from dflash_trt.errors import DFlashError
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -30,13 +29,16 @@ def default_template_dir() -> Path:
     link to them, so source checkouts, editable and wheel installs all see the same files)."""
     p = Path(__file__).resolve().parent / "model_repo"
     if not p.is_dir():
-        raise DFlashError(f"{p}: model_repo templates not found (broken install?); reinstall dflash-trt or "
-                          f"pass the template folder explicitly")
+        raise DFlashError(
+            f"{p}: model_repo templates not found (broken install?); reinstall dflash-trt or "
+            f"pass the template folder explicitly"
+        )
     return p
 
 
-def default_values(target_dir: str | Path, drafter_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                   **overrides) -> dict[str, str]:
+def default_values(
+    target_dir: str | Path, drafter_dir: str | Path, tokenizer_dir: str | Path | None = None, **overrides
+) -> dict[str, str]:
     """Template values for a torch-engine repository; paths are made absolute."""
     values = {
         "target_dir": Path(target_dir).resolve(),
@@ -54,8 +56,9 @@ def default_values(target_dir: str | Path, drafter_dir: str | Path, tokenizer_di
     }
     unknown = set(overrides) - set(values)
     if unknown:
-        raise DFlashError(f"unknown model repository value(s): {', '.join(sorted(unknown))}; "
-                          f"known: {', '.join(values)}")
+        raise DFlashError(
+            f"unknown model repository value(s): {', '.join(sorted(unknown))}; " f"known: {', '.join(values)}"
+        )
     values.update(overrides)
     return {k: _text(k, v) for k, v in values.items()}
 
@@ -93,11 +96,10 @@ def fill_model_repo(template_dir: str | Path, out_dir: str | Path, values: dict)
         detail = "; ".join(f"{k} (in {', '.join(files)})" for k, files in sorted(missing.items()))
         raise DFlashError(f"model repository template needs values for: {detail}")
     text = {k: _text(k, v) for k, v in values.items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        shutil.copytree(template_dir, tmp, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".gitkeep"))
+    with atomic_dir(out_dir) as tmp:
+        shutil.copytree(
+            template_dir, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".gitkeep")
+        )
         for f in tmp.rglob("*"):
             if f.is_file() and f.suffix in TEMPLATE_SUFFIXES:
                 filled = PLACEHOLDER.sub(lambda m: text[m.group(1)], f.read_text())
@@ -106,18 +108,13 @@ def fill_model_repo(template_dir: str | Path, out_dir: str | Path, values: dict)
         for model in tmp.iterdir():  # Triton needs each model's version folder, even an empty one
             if (model / "config.pbtxt").is_file():
                 (model / "1").mkdir(exist_ok=True)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
 def _check_pbtxt(path: Path, text: str) -> None:
     """Parse a filled config.pbtxt with Triton's ModelConfig schema when tritonclient is installed."""
     try:
+        # deferred: optional dependency (protobuf comes with tritonclient, the `serve` extra)
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
     except ImportError:

@@ -45,6 +45,7 @@ class ServerError(DFlashError):
 
 def _pytriton_root() -> Path | None:
     try:
+        # deferred: optional dependency (the `serve` extra)
         import pytriton  # noqa: F401  (nvidia-pytriton)
     except ImportError:
         return None
@@ -59,8 +60,10 @@ def find_tritonserver() -> Path:
     root = _pytriton_root()
     if root is not None and (root / "tritonserver" / "bin" / "tritonserver").is_file():
         return root / "tritonserver" / "bin" / "tritonserver"
-    raise ServerError("tritonserver not found: install the serving extra (`pip install 'dflash-trt[serve]'`, "
-                      "which brings nvidia-pytriton's bundled server) or run inside an NGC Triton container")
+    raise ServerError(
+        "tritonserver not found: install the serving extra (`pip install 'dflash-trt[serve]'`, "
+        "which brings nvidia-pytriton's bundled server) or run inside an NGC Triton container"
+    )
 
 
 def free_port() -> int:
@@ -76,9 +79,17 @@ def _libpython_dir() -> str:
 class TritonServer:
     """`with TritonServer(repo) as srv:` -> srv.grpc_url, srv.http_url, srv.metrics_url."""
 
-    def __init__(self, model_repo: str | Path, grpc_port: int | None = None, http_port: int | None = None,
-                 metrics_port: int | None = None, startup_timeout: float = 180.0, log_verbose: int = 0,
-                 binary: str | Path | None = None, extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        model_repo: str | Path,
+        grpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        startup_timeout: float = 180.0,
+        log_verbose: int = 0,
+        binary: str | Path | None = None,
+        extra_args: list[str] | None = None,
+    ):
         self.model_repo = Path(model_repo).resolve()
         if not self.model_repo.is_dir():
             raise ServerError(f"model repository {self.model_repo}: not a folder (fill one with fill_model_repo)")
@@ -140,15 +151,25 @@ class TritonServer:
         return env
 
     def command(self, backend_args: list[str]) -> list[str]:
-        return [str(self.binary), f"--model-repository={self.model_repo}",
-                f"--http-address={HOST}", f"--http-port={self.http_port}",
-                f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
-                f"--metrics-address={HOST}", f"--metrics-port={self.metrics_port}",
-                "--allow-metrics=true", "--exit-timeout-secs=10", "--strict-readiness=true",
-                f"--log-verbose={self.log_verbose}", *backend_args, *self.extra_args]
+        return [
+            str(self.binary),
+            f"--model-repository={self.model_repo}",
+            f"--http-address={HOST}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={HOST}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={HOST}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--exit-timeout-secs=10",
+            "--strict-readiness=true",
+            f"--log-verbose={self.log_verbose}",
+            *backend_args,
+            *self.extra_args,
+        ]
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def start(self) -> "TritonServer":
+    def start(self) -> TritonServer:
         if self.proc is not None:
             return self
         self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
@@ -156,8 +177,14 @@ class TritonServer:
         try:
             cmd = self.command(self._prepare_backends())
             self._log = open(self.log_path, "wb")
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env(),
-                                         cwd=self._workdir, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                cwd=self._workdir,
+                start_new_session=True,
+            )
             atexit.register(self.stop)
             self._wait_ready()
         except BaseException:
@@ -169,8 +196,10 @@ class TritonServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.proc.returncode} during startup; "
-                                  f"log tail:\n{self.log_tail()}")
+                raise ServerError(
+                    f"tritonserver exited with code {self.proc.returncode} during startup; "
+                    f"log tail:\n{self.log_tail()}"
+                )
             if self.is_ready():
                 return
             time.sleep(0.25)
@@ -189,8 +218,11 @@ class TritonServer:
             return "(no log)"
         all_lines = self.log_path.read_text(errors="replace").splitlines()
         noise = ("cuda", "nvml", "dcgm", "gpu metrics")
-        errors = [ln for ln in all_lines if (ln.startswith("E") or "Error" in ln or "Exception" in ln)
-                  and not any(n in ln.lower() for n in noise)]
+        errors = [
+            ln
+            for ln in all_lines
+            if (ln.startswith("E") or "Error" in ln or "Exception" in ln) and not any(n in ln.lower() for n in noise)
+        ]
         tail = all_lines[-lines:]
         head = [ln for ln in errors[-20:] if ln not in tail]
         return "\n".join(head + (["..."] if head else []) + tail)
@@ -222,15 +254,22 @@ class TritonServer:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def serve(model_repo: str | Path, grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
-          startup_timeout: float = 600.0, log_verbose: int = 0, echo=print) -> int:
+def serve(
+    model_repo: str | Path,
+    grpc_port: int = 8001,
+    http_port: int = 8000,
+    metrics_port: int = 8002,
+    startup_timeout: float = 600.0,
+    log_verbose: int = 0,
+    echo=print,
+) -> int:
     """`dflash-trt serve`: run tritonserver on loopback until Ctrl-C / SIGTERM; returns its exit code."""
     srv = TritonServer(model_repo, grpc_port, http_port, metrics_port, startup_timeout, log_verbose)
     stop = {"now": False}

@@ -19,8 +19,9 @@ postprocessing); `StreamDetokenizer` does the same with the released text kept i
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from dflash_trt.errors import CheckpointError, DFlashError
 
@@ -35,19 +36,20 @@ class TextCodec:
         self.default_chat_template = default_chat_template
 
     @classmethod
-    def from_dir(cls, path: str | Path, default_chat_template: bool = False, backend: str = "auto") -> "TextCodec":
+    def from_dir(cls, path: str | Path, default_chat_template: bool = False, backend: str = "auto") -> TextCodec:
         """backend "auto": the light tokenizers+jinja2 loader when tokenizer.json exists (0.2 s,
         no torch import: matters with one tokenizer per Triton model process), else AutoTokenizer."""
         path = Path(path)
         if not path.is_dir():
-            raise CheckpointError(f"tokenizer_dir {path}: not a folder; expected tokenizer.json or "
-                                  f"tokenizer_config.json")
+            raise CheckpointError(
+                f"tokenizer_dir {path}: not a folder; expected tokenizer.json or " f"tokenizer_config.json"
+            )
         if backend == "auto":
             backend = "light" if (path / "tokenizer.json").is_file() else "transformers"
         try:
             if backend == "light":
                 return cls(LightTokenizer(path), default_chat_template)
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # deferred: ~0.6 s to import, and torch with it
 
             return cls(AutoTokenizer.from_pretrained(str(path)), default_chat_template)
         except (OSError, ValueError) as e:
@@ -71,8 +73,9 @@ class TextCodec:
         if chat:
             if not getattr(self.tok, "chat_template", None):
                 raise DFlashError("apply_chat_template: the tokenizer in tokenizer_dir has no chat template")
-            rendered = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True)
+            rendered = self.tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             return list(self.tok(rendered, add_special_tokens=False)["input_ids"])
         return list(self.tok(text, add_special_tokens=True)["input_ids"])
 
@@ -101,8 +104,6 @@ def _token_text(v) -> str | None:
 def read_chat_template(path: Path, tokenizer_config: dict | None = None) -> str | None:
     """The chat template a Hugging Face tokenizer folder carries (tokenizer_config.json's
     `chat_template`, its "default" entry when named, else chat_template.jinja), or None."""
-    import json
-
     if tokenizer_config is None:
         cfg_file = path / "tokenizer_config.json"
         try:
@@ -124,9 +125,7 @@ class LightTokenizer:
     transformers renders it (sandboxed, trim_blocks, lstrip_blocks, loopcontrols)."""
 
     def __init__(self, path: Path):
-        import json
-
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # deferred, as jinja2 below: `dflash-trt --help` imports this module
 
         self.backend = Tokenizer.from_file(str(path / "tokenizer.json"))
         cfg_file = path / "tokenizer_config.json"
@@ -154,9 +153,7 @@ class LightTokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
-        import json
-
-        from jinja2.ext import loopcontrols
+        from jinja2.ext import loopcontrols  # deferred: ~20 ms with tokenizers, paid only where a template renders
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -164,11 +161,14 @@ class LightTokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in self.special.items() if v is not None})
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **{k: v for k, v in self.special.items() if v is not None},
+        )
 
 
 def text_delta(codec: TextCodec, ids: Sequence[int], num_prev: int, final: bool) -> str:
@@ -176,7 +176,7 @@ def text_delta(codec: TextCodec, ids: Sequence[int], num_prev: int, final: bool)
     covered. Stateless: recomputes what was released before from ids[:num_prev]."""
     before = codec.stable(ids[:num_prev]) if num_prev else ""
     now = codec.decode(ids) if final else codec.stable(ids)
-    return now[len(before):] if now.startswith(before) else (now[len(before):] if final else "")
+    return now[len(before) :] if now.startswith(before) else (now[len(before) :] if final else "")
 
 
 class StreamDetokenizer:
@@ -193,7 +193,7 @@ class StreamDetokenizer:
         if not now.startswith(self.released):  # a decoder whose stable text shrank: wait for the end
             if not final:
                 return ""
-        delta = now[len(self.released):]
+        delta = now[len(self.released) :]
         self.released = now
         return delta
 

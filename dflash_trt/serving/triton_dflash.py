@@ -29,6 +29,7 @@ def input_getter(request):
     def get(name):
         t = pb_utils.get_input_tensor_by_name(request, name)
         return None if t is None else t.as_numpy()
+
     return get
 
 
@@ -75,32 +76,45 @@ class _Metrics:
 
         C = pb_utils.MetricFamily.COUNTER
         self.requests = fam("dflash_requests_total", "Generation requests received", C).Metric(labels=labels)
-        self.steps = fam("dflash_draft_steps_total", "Draft/verify steps, summed over requests",
-                         C).Metric(labels=labels)
-        self.drafted = fam("dflash_draft_tokens_total", "Draft tokens verified (B-1 a step unless draft_cutoff > 0)",
-                           C).Metric(labels=labels)
+        self.steps = fam("dflash_draft_steps_total", "Draft/verify steps, summed over requests", C).Metric(
+            labels=labels
+        )
+        self.drafted = fam(
+            "dflash_draft_tokens_total", "Draft tokens verified (B-1 a step unless draft_cutoff > 0)", C
+        ).Metric(labels=labels)
         self.accepted = fam("dflash_accepted_tokens_total", "Draft tokens accepted", C).Metric(labels=labels)
         self.output = fam("dflash_output_tokens_total", "Tokens generated", C).Metric(labels=labels)
-        self.cancels = fam("dflash_cancelled_requests_total", "Requests cancelled (client gone or cancel_key)",
-                           C).Metric(labels=labels)
-        self.gauge = fam("dflash_running_requests", "Requests in the running batch",
-                         pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+        self.cancels = fam(
+            "dflash_cancelled_requests_total", "Requests cancelled (client gone or cancel_key)", C
+        ).Metric(labels=labels)
+        self.gauge = fam(
+            "dflash_running_requests", "Requests in the running batch", pb_utils.MetricFamily.GAUGE
+        ).Metric(labels=labels)
         self.tau = None
         try:  # histograms need Triton >= 24.08's Python backend
-            self.tau = fam("dflash_acceptance_length", "Tokens per verify step (bonus included), per request",
-                           pb_utils.MetricFamily.HISTOGRAM).Metric(
-                labels=labels, buckets=[float(b) for b in range(1, block_size + 1)])
+            self.tau = fam(
+                "dflash_acceptance_length",
+                "Tokens per verify step (bonus included), per request",
+                pb_utils.MetricFamily.HISTOGRAM,
+            ).Metric(labels=labels, buckets=[float(b) for b in range(1, block_size + 1)])
         except Exception:
-            self.tau = fam("dflash_acceptance_length", "Tokens per verify step of the last finished request",
-                           pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+            self.tau = fam(
+                "dflash_acceptance_length",
+                "Tokens per verify step of the last finished request",
+                pb_utils.MetricFamily.GAUGE,
+            ).Metric(labels=labels)
         self._running = -1
 
     def request(self):
         self.requests.increment(1)
 
     def step(self, verify_steps, draft_tokens, accepted_tokens, output_tokens):
-        for m, v in ((self.steps, verify_steps), (self.drafted, draft_tokens), (self.accepted, accepted_tokens),
-                     (self.output, output_tokens)):
+        for m, v in (
+            (self.steps, verify_steps),
+            (self.drafted, draft_tokens),
+            (self.accepted, accepted_tokens),
+            (self.output, output_tokens),
+        ):
             if v:
                 m.increment(v)
 
@@ -121,18 +135,26 @@ class TritonPythonModel:
     def initialize(self, args):
         params, cfg = model_parameters(args)
         if not pb_utils.using_decoupled_model_transaction_policy(cfg):
-            raise pb_utils.TritonModelException("dflash: config.pbtxt must set model_transaction_policy "
-                                                "{ decoupled: true } (responses stream per step)")
+            raise pb_utils.TritonModelException(
+                "dflash: config.pbtxt must set model_transaction_policy "
+                "{ decoupled: true } (responses stream per step)"
+            )
         threads = int(params.get("cpu_threads", "0") or 0)
         if threads > 0:  # on a busy CPU host, few threads beat OpenMP's spinning barriers by far
+            # deferred: the Triton text models import this module and must not load torch
             import torch
 
             torch.set_num_threads(threads)
         try:
             factory = load_engine_factory(
-                params.get("target_dir", ""), params.get("drafter_dir", ""), params.get("engine_backend", "torch"),
-                int(params.get("max_batch", "16")), int(params.get("max_seq_len", "2048")),
-                params.get("dtype", "auto"), float(params.get("draft_cutoff", "0") or 0))
+                params.get("target_dir", ""),
+                params.get("drafter_dir", ""),
+                params.get("engine_backend", "torch"),
+                int(params.get("max_batch", "16")),
+                int(params.get("max_seq_len", "2048")),
+                params.get("dtype", "auto"),
+                float(params.get("draft_cutoff", "0") or 0),
+            )
         except (DFlashError, ValueError) as e:
             raise pb_utils.TritonModelException(f"dflash: cannot load the engine: {e}") from None
         self.orch = Orchestrator(factory)

@@ -33,8 +33,16 @@ from dflash_trt.serving.protocol import (
 from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, text_delta
 from dflash_trt.serving.triton_dflash import FINAL, input_getter, model_parameters, triton_error
 
-_ENGINE_OUTPUTS = ["output_ids", "num_prev_tokens", "finish_reason", "num_input_tokens", "total_draft_tokens",
-                   "total_accepted_draft_tokens", "num_verify_steps", "perf_metrics"]
+_ENGINE_OUTPUTS = [
+    "output_ids",
+    "num_prev_tokens",
+    "finish_reason",
+    "num_input_tokens",
+    "total_draft_tokens",
+    "total_accepted_draft_tokens",
+    "num_verify_steps",
+    "perf_metrics",
+]
 
 
 def _load_codec(args) -> tuple[TextCodec, dict, dict]:
@@ -46,12 +54,25 @@ def _load_codec(args) -> tuple[TextCodec, dict, dict]:
         raise pb_utils.TritonModelException(f"{args['model_name']}: {e}") from None
 
 
-def _response(outputs: dict) -> "pb_utils.InferenceResponse":
+def _response(outputs: dict) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
 
-def _error_response(message: str) -> "pb_utils.InferenceResponse":
+def _error_response(message: str) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message))
+
+
+def _respond_each(requests, outputs, errors: tuple[type[Exception], ...], prefix: str = "") -> list:
+    """One response per request: outputs(get) -> its tensors; an exception of `errors` becomes
+    that request's error response (prefix + message) and leaves the others alone."""
+    out = []
+    for request in requests:
+        get = input_getter(request)
+        try:
+            out.append(_response(outputs(get)))
+        except errors as e:
+            out.append(_error_response(f"{prefix}{e}"))
+    return out
 
 
 class PreprocessingModel:
@@ -61,18 +82,13 @@ class PreprocessingModel:
         self.codec, _, _ = _load_codec(args)
 
     def execute(self, requests):
-        out = []
-        for request in requests:
-            get = input_getter(request)
-            try:
-                text, stop_words, chat = parse_prompt(get)
-                ids = self.codec.encode(text, chat)
-                stops = join_stop_sequences(self.codec.encode_stop_words(stop_words))
-                out.append(_response({"input_ids": np.array([ids], np.int32),
-                                      "stop_sequences": np.array([stops], np.int32).reshape(1, -1)}))
-            except DFlashError as e:
-                out.append(_error_response(str(e)))
-        return out
+        return _respond_each(requests, self._encode, (DFlashError,))
+
+    def _encode(self, get) -> dict:
+        text, stop_words, chat = parse_prompt(get)
+        ids = self.codec.encode(text, chat)
+        stops = join_stop_sequences(self.codec.encode_stop_words(stop_words))
+        return {"input_ids": np.array([ids], np.int32), "stop_sequences": np.array([stops], np.int32).reshape(1, -1)}
 
 
 class PostprocessingModel:
@@ -83,16 +99,12 @@ class PostprocessingModel:
         self.codec, _, _ = _load_codec(args)
 
     def execute(self, requests):
-        out = []
-        for request in requests:
-            get = input_getter(request)
-            try:
-                p = progress_from(get)
-                text = text_delta(self.codec, p.output_ids, p.num_prev, final=bool(p.finish_reason))
-                out.append(_response({"text_output": np.array([[text.encode("utf-8")]], dtype=object)}))
-            except (DFlashError, ValueError, UnicodeDecodeError) as e:
-                out.append(_error_response(f"postprocessing: {e}"))
-        return out
+        return _respond_each(requests, self._decode, (DFlashError, ValueError, UnicodeDecodeError), "postprocessing: ")
+
+    def _decode(self, get) -> dict:
+        p = progress_from(get)
+        text = text_delta(self.codec, p.output_ids, p.num_prev, final=bool(p.finish_reason))
+        return {"text_output": np.array([[text.encode("utf-8")]], dtype=object)}
 
 
 class _Answer:
@@ -149,14 +161,16 @@ class BLSModel:
 
     def _engine_request(self, req: TextRequest, ids: list[int], key: str):
         s = req.sampling
-        t = [pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
-             pb_utils.Tensor("max_tokens", np.array([[s.max_tokens]], np.int32)),
-             pb_utils.Tensor("stream", np.array([[True]], np.bool_)),
-             pb_utils.Tensor("temperature", np.array([[s.temperature]], np.float32)),
-             pb_utils.Tensor("top_k", np.array([[s.top_k]], np.int32)),
-             pb_utils.Tensor("top_p", np.array([[s.top_p]], np.float32)),
-             pb_utils.Tensor("return_perf_metrics", np.array([[s.return_perf_metrics]], np.bool_)),
-             pb_utils.Tensor("request_key", np.array([[key.encode()]], dtype=object))]
+        t = [
+            pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
+            pb_utils.Tensor("max_tokens", np.array([[s.max_tokens]], np.int32)),
+            pb_utils.Tensor("stream", np.array([[True]], np.bool_)),
+            pb_utils.Tensor("temperature", np.array([[s.temperature]], np.float32)),
+            pb_utils.Tensor("top_k", np.array([[s.top_k]], np.int32)),
+            pb_utils.Tensor("top_p", np.array([[s.top_p]], np.float32)),
+            pb_utils.Tensor("return_perf_metrics", np.array([[s.return_perf_metrics]], np.bool_)),
+            pb_utils.Tensor("request_key", np.array([[key.encode()]], dtype=object)),
+        ]
         if s.seed is not None:
             t.append(pb_utils.Tensor("seed", np.array([[s.seed]], np.uint64)))
         if s.end_id is not None:
@@ -164,12 +178,14 @@ class BLSModel:
         stops = join_stop_sequences(self.codec.encode_stop_words(req.stop_words))
         if stops:
             t.append(pb_utils.Tensor("stop_sequences", np.array([stops], np.int32)))
-        return pb_utils.InferenceRequest(model_name=self.engine_model, requested_output_names=_ENGINE_OUTPUTS,
-                                         inputs=t)
+        return pb_utils.InferenceRequest(model_name=self.engine_model, requested_output_names=_ENGINE_OUTPUTS, inputs=t)
 
     def _cancel(self, key: str) -> None:
-        r = pb_utils.InferenceRequest(model_name=self.engine_model, requested_output_names=[],
-                                      inputs=[pb_utils.Tensor("cancel_key", np.array([[key.encode()]], dtype=object))])
+        r = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            requested_output_names=[],
+            inputs=[pb_utils.Tensor("cancel_key", np.array([[key.encode()]], dtype=object))],
+        )
         for _ in r.exec(decoupled=True):
             pass
 
@@ -198,7 +214,7 @@ class BLSModel:
                     continue
                 p: Progress = progress_from(lambda n, r=resp: _out(r, n))
                 final = bool(p.finish_reason)
-                chunk = detok.add(p.output_ids[p.num_prev:], final)
+                chunk = detok.add(p.output_ids[p.num_prev :], final)
                 if prefix:
                     chunk, prefix = prefix + chunk, ""  # noqa: PLW2901
                 if req.sampling.stream:

@@ -9,13 +9,19 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import DEVICE_HELP, friendly_errors, parse_floats, parse_ints
+from dflash_trt.api import load_target, load_tokenizer
+from dflash_trt.cli_shared import DEVICE_HELP, friendly_errors, parse_floats, parse_ints
+from dflash_trt.config import field_help, load_yaml_dataclass
+from dflash_trt.errors import DFlashError
+from dflash_trt.train.corpus import agreement, load_texts, score_corpus
+from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts, read_sequences
+from dflash_trt.train.evaluate import evaluate, print_eval
+from dflash_trt.train.trainer import TrainConfig, train
+from dflash_trt.train.validate import is_validation, mark_validation
 
 
 def _options_from_dataclass(cls):
     """One --flag per dataclass field; help is the field's comment in the class body plus its default."""
-    from dflash_trt.config import field_help
-
     hints = typing.get_type_hints(cls)
     helps = field_help(cls)
 
@@ -30,124 +36,176 @@ def _options_from_dataclass(cls):
             elif "list" in str(t):
                 fn = click.option(flag, default=None, help=f"{text} (comma-separated ints)")(fn)
             else:
-                base = {int: int, float: float}.get(t) or (int if "int" in str(t) else float if "float" in str(t) else str)
+                base = {int: int, float: float}.get(t) or (
+                    int if "int" in str(t) else float if "float" in str(t) else str
+                )
                 fn = click.option(flag, type=base, default=None, help=text)(fn)
         return fn
 
     return deco
 
 
+@click.group()
+def data():
+    """Training data: the target regenerates answers to prompts (generate) or scores existing text (score)."""
+
+
+def _check_data_destination(source: str, out: str, validation: bool) -> None:
+    """Training data never comes from the held-out benchmark prompts, and never lands in a validation set."""
+    if source in HELD_OUT and not validation:
+        raise DFlashError(
+            f"--prompts {source}: benchmark prompts are held out from training (they measure "
+            f"the drafter); use stdlib, stdlib-code or your own prompt file, or add --validation to make "
+            f"a validation set for `train --val-data`"
+        )
+    if not validation and is_validation(out):
+        raise DFlashError(f"--out {out}: holds a validation set; add --validation to extend it, or pick another folder")
+
+
+@data.command("generate")
+@click.option("--target", required=True, help="Target model name or folder.")
+@click.option(
+    "--prompts",
+    "source",
+    required=True,
+    help="stdlib | stdlib-code | FILE.txt | FILE.jsonl; with --validation also humaneval | writingbench",
+)
+@click.option("--out", required=True, help="Output folder of data-*.jsonl shards.")
+@click.option(
+    "--validation",
+    is_flag=True,
+    default=False,
+    help="A held-out validation set for `train --val-data` (marked: never accepted as training data).",
+)
+@click.option("--limit", type=int, default=None, help="Use at most this many prompts.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32",
+)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@friendly_errors
+def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, device, validation):
+    _check_data_destination(source, out, validation)
+    prompts = load_prompts(source, limit)
+    tgt, path = load_target(target, dtype, for_training=True, device=device)
+    if validation:  # marked before any shard exists, so an interrupted run is never mistaken for training data
+        Path(out).mkdir(parents=True, exist_ok=True)
+        mark_validation(out, source)
+    click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
+
+
+@data.command("score")
+@click.option("--target", required=True, help="Target model name or folder.")
+@click.option(
+    "--text",
+    "source",
+    required=True,
+    help="stdlib-src (the Python standard library's source) | FILE (.py/.txt/.md/.rst) | FILE.jsonl "
+    '({"text": ...} per line) | FOLDER (its text files)',
+)
+@click.option("--out", required=True, help="Output folder of data-*.jsonl shards (for `train --data`).")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per sequence (text window).")
+@click.option("--limit", type=int, default=None, help="Use at most this many windows.")
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32",
+)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@friendly_errors
+def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
+    """Teacher-forced data: the target scores existing text once (its greedy next token at every
+    position becomes the label); about 5x the tokens per CPU minute of regenerating answers."""
+    texts = load_texts(source)
+    tgt, path = load_target(target, dtype, for_training=True, device=device)
+    folder = score_corpus(tgt, load_tokenizer(path), texts, out, seq_len, limit, batch_size)
+    seqs = read_sequences(folder)
+    click.echo(
+        f"{folder}: {len(seqs)} sequences, {sum(len(s['input_ids']) for s in seqs)} tokens; the text "
+        f"agrees with the target's greedy prediction at {agreement(seqs):.0%} of tokens"
+    )
+
+
+@click.command("train")
+@click.option("--config", "config_path", default=None, help="YAML file mirroring TrainConfig.")
+@_options_from_dataclass(TrainConfig)
+@friendly_errors
+def train_cmd(config_path, **overrides):
+    """Train a DFlash drafter (resumes from OUT/checkpoint); writes OUT/drafter."""
+    if overrides.get("target_layer_ids"):
+        overrides["target_layer_ids"] = parse_ints(overrides["target_layer_ids"], "--target-layer-ids")
+    if config_path:
+        cfg = load_yaml_dataclass(TrainConfig, config_path, overrides)
+    else:
+        cfg = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
+    click.echo(train(cfg))
+
+
+@click.command("eval")
+@click.option("--target", required=True)
+@click.option("--drafter", "drafter_dir", required=True)
+@click.option(
+    "--prompts",
+    "source",
+    required=True,
+    help="humaneval | writingbench (held-out benchmark sets), stdlib | stdlib-code (training "
+    "prompts, to compare), FILE.txt | FILE.jsonl",
+)
+@click.option("--limit", type=int, default=8, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    help="auto: fp32 on CPU (greedy output must equal the baseline's), bf16 on GPU",
+)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option(
+    "--block-size",
+    "block_sizes",
+    default=None,
+    help="Comma-separated block sizes to run, e.g. 4,8,16 (default: the drafter's own; at most it).",
+)
+@click.option(
+    "--draft-cutoff",
+    "draft_cutoffs",
+    default=None,
+    help="Comma-separated draft cutoffs to run, e.g. 0,0.1: verify only the leading drafts whose "
+    "running product of drafter probabilities is at least this (default 0: every draft).",
+)
+@click.option("--json-out", default=None, help="Also write the results as JSON here.")
+@friendly_errors
+def eval_cmd(
+    target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device, block_sizes, draft_cutoffs, json_out
+):
+    """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
+    res = evaluate(
+        target,
+        drafter_dir,
+        source,
+        limit,
+        max_new_tokens,
+        chat,
+        dtype,
+        device=device,
+        block_sizes=parse_ints(block_sizes, "--block-size") or None,
+        draft_cutoffs=parse_floats(draft_cutoffs, "--draft-cutoff") or None,
+    )
+    print_eval(res)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
 def register(main: click.Group) -> None:
-    from dflash_trt.train.trainer import TrainConfig
-
-    @main.group()
-    def data():
-        """Training data: the target regenerates answers to prompts (generate) or scores existing text (score)."""
-
-    @data.command("generate")
-    @click.option("--target", required=True, help="Target model name or folder.")
-    @click.option("--prompts", "source", required=True,
-                  help="stdlib | stdlib-code | FILE.txt | FILE.jsonl; with --validation also humaneval | writingbench")
-    @click.option("--out", required=True, help="Output folder of data-*.jsonl shards.")
-    @click.option("--validation", is_flag=True, default=False,
-                  help="A held-out validation set for `train --val-data` (marked: never accepted as training data).")
-    @click.option("--limit", type=int, default=None, help="Use at most this many prompts.")
-    @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-    @click.option("--batch-size", type=int, default=8, show_default=True)
-    @click.option("--chat/--no-chat", default=True, show_default=True)
-    @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32")
-    @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
-    @friendly_errors
-    def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, device, validation):
-        from dflash_trt.api import load_target, load_tokenizer
-        from dflash_trt.errors import DFlashError
-        from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts
-        from dflash_trt.train.validate import is_validation, mark_validation
-
-        if source in HELD_OUT and not validation:
-            raise DFlashError(f"--prompts {source}: benchmark prompts are held out from training (they measure "
-                              f"the drafter); use stdlib, stdlib-code or your own prompt file, or add --validation to make "
-                              f"a validation set for `train --val-data`")
-        if not validation and is_validation(out):
-            raise DFlashError(f"--out {out}: holds a validation set; add --validation to extend it, or pick another folder")
-        prompts = load_prompts(source, limit)
-        tgt, path = load_target(target, dtype, for_training=True, device=device)
-        if validation:  # marked before any shard exists, so an interrupted run is never mistaken for training data
-            Path(out).mkdir(parents=True, exist_ok=True)
-            mark_validation(out, source)
-        click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
-
-    @data.command("score")
-    @click.option("--target", required=True, help="Target model name or folder.")
-    @click.option("--text", "source", required=True,
-                  help="stdlib-src (the Python standard library's source) | FILE (.py/.txt/.md/.rst) | FILE.jsonl "
-                       "({\"text\": ...} per line) | FOLDER (its text files)")
-    @click.option("--out", required=True, help="Output folder of data-*.jsonl shards (for `train --data`).")
-    @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per sequence (text window).")
-    @click.option("--limit", type=int, default=None, help="Use at most this many windows.")
-    @click.option("--batch-size", type=int, default=4, show_default=True)
-    @click.option("--dtype", default="auto", show_default=True, help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32")
-    @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
-    @friendly_errors
-    def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
-        """Teacher-forced data: the target scores existing text once (its greedy next token at every
-        position becomes the label); about 5x the tokens per CPU minute of regenerating answers."""
-        from dflash_trt.api import load_target, load_tokenizer
-        from dflash_trt.train.corpus import agreement, load_texts, score_corpus
-        from dflash_trt.train.data import read_sequences
-
-        texts = load_texts(source)
-        tgt, path = load_target(target, dtype, for_training=True, device=device)
-        folder = score_corpus(tgt, load_tokenizer(path), texts, out, seq_len, limit, batch_size)
-        seqs = read_sequences(folder)
-        click.echo(f"{folder}: {len(seqs)} sequences, {sum(len(s['input_ids']) for s in seqs)} tokens; the text "
-                   f"agrees with the target's greedy prediction at {agreement(seqs):.0%} of tokens")
-
-    @main.command("train")
-    @click.option("--config", "config_path", default=None, help="YAML file mirroring TrainConfig.")
-    @_options_from_dataclass(TrainConfig)
-    @friendly_errors
-    def train_cmd(config_path, **overrides):
-        """Train a DFlash drafter (resumes from OUT/checkpoint); writes OUT/drafter."""
-        from dflash_trt.config import load_yaml_dataclass
-        from dflash_trt.train.trainer import train
-
-        if overrides.get("target_layer_ids"):
-            overrides["target_layer_ids"] = parse_ints(overrides["target_layer_ids"], "--target-layer-ids")
-        if config_path:
-            cfg = load_yaml_dataclass(TrainConfig, config_path, overrides)
-        else:
-            cfg = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
-        click.echo(train(cfg))
-
-    @main.command("eval")
-    @click.option("--target", required=True)
-    @click.option("--drafter", "drafter_dir", required=True)
-    @click.option("--prompts", "source", required=True,
-                  help="humaneval | writingbench (held-out benchmark sets), stdlib | stdlib-code (training "
-                       "prompts, to compare), FILE.txt | FILE.jsonl")
-    @click.option("--limit", type=int, default=8, show_default=True)
-    @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-    @click.option("--chat/--no-chat", default=True, show_default=True)
-    @click.option("--dtype", default="auto", show_default=True,
-                  help="auto: fp32 on CPU (greedy output must equal the baseline's), bf16 on GPU")
-    @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
-    @click.option("--block-size", "block_sizes", default=None,
-                  help="Comma-separated block sizes to run, e.g. 4,8,16 (default: the drafter's own; at most it).")
-    @click.option("--draft-cutoff", "draft_cutoffs", default=None,
-                  help="Comma-separated draft cutoffs to run, e.g. 0,0.1: verify only the leading drafts whose "
-                       "running product of drafter probabilities is at least this (default 0: every draft).")
-    @click.option("--json-out", default=None, help="Also write the results as JSON here.")
-    @friendly_errors
-    def eval_cmd(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device, block_sizes,
-                 draft_cutoffs, json_out):
-        """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
-        from dflash_trt.train.evaluate import evaluate, print_eval
-
-        res = evaluate(target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device=device,
-                       block_sizes=parse_ints(block_sizes, "--block-size") or None,
-                       draft_cutoffs=parse_floats(draft_cutoffs, "--draft-cutoff") or None)
-        print_eval(res)
-        if json_out:
-            with open(json_out, "w") as f:
-                json.dump(res, f, indent=2)
+    main.add_command(data)
+    main.add_command(train_cmd)
+    main.add_command(eval_cmd)

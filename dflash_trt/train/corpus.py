@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.train.data import MORE_STDLIB_MODULES, STDLIB_MODULES, fill_shards
+from dflash_trt.train.features import target_taps
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 MIN_CHUNK = 64  # shorter tails of a text are dropped: too little context to anchor blocks in
@@ -65,11 +66,13 @@ def load_texts(source: str) -> list[str]:
             try:
                 texts.append(str(json.loads(line)["text"]))
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"{p}:{i}: expected a JSON object with a \"text\" field") from None
+                raise DFlashError(f'{p}:{i}: expected a JSON object with a "text" field') from None
     elif p.is_file():
         texts = [p.read_text(encoding="utf-8", errors="replace")]
     else:
-        raise DFlashError(f"text source {source!r}: not a file or folder and not a built-in source (built-in: stdlib-src)")
+        raise DFlashError(
+            f"text source {source!r}: not a file or folder and not a built-in source (built-in: stdlib-src)"
+        )
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise DFlashError(f"text source {source}: no text in it (folders are searched for {', '.join(TEXT_SUFFIXES)})")
@@ -85,7 +88,7 @@ def chunk_texts(tokenizer, texts: list[str], seq_len: int, limit: int | None = N
     per_text = []
     for text in tqdm(texts, desc="tokenizing", disable=len(texts) < 100):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        per_text.append([ids[i: i + seq_len] for i in range(0, len(ids), seq_len) if len(ids) - i >= MIN_CHUNK])
+        per_text.append([ids[i : i + seq_len] for i in range(0, len(ids), seq_len) if len(ids) - i >= MIN_CHUNK])
     chunks = [w[i] for i in range(max(map(len, per_text), default=0)) for w in per_text if i < len(w)]
     return chunks[:limit] if limit else chunks
 
@@ -95,18 +98,25 @@ def greedy_next(target, seqs: list[list[int]], chunk: int = 128) -> list[list[in
     """The target's argmax after every position of each sequence (right-padded batch; padding is
     causal-invisible) -> one list per sequence, as long as it. The LM head runs on `chunk` positions
     at a time: full fp32 logits of a batch would be N*S*V*4 bytes (1.2 GB for 4 x 512 x 152K)."""
-    from dflash_trt.train.trainer import target_taps
-
-    # the last layer's output is the final hidden state, before the final norm that logits() applies
+    # the last layer's tap is the final hidden state after the final norm (transformers' hidden_states[L])
     hidden = target_taps(target, seqs, [target.num_layers - 1])  # [N, S, d]
-    best = torch.cat([target.logits(hidden[:, i: i + chunk]).argmax(-1).cpu()
-                      for i in range(0, hidden.shape[1], chunk)], 1)
+    best = torch.cat(
+        [target.lm_head(hidden[:, i : i + chunk]).argmax(-1).cpu() for i in range(0, hidden.shape[1], chunk)], 1
+    )
     return [best[r, : len(s)].tolist() for r, s in enumerate(seqs)]
 
 
-def score_corpus(target, tokenizer, texts: list[str], out_dir: str | Path, seq_len: int = 512,
-                 limit: int | None = None, batch_size: int = 4, shard_size: int = 256,
-                 progress: bool = True) -> Path:
+def score_corpus(
+    target,
+    tokenizer,
+    texts: list[str],
+    out_dir: str | Path,
+    seq_len: int = 512,
+    limit: int | None = None,
+    batch_size: int = 4,
+    shard_size: int = 256,
+    progress: bool = True,
+) -> Path:
     """Windows of `texts` with the target's greedy next tokens -> out_dir/data-NNNNN.jsonl lines
     {"input_ids", "prompt_len": 1, "target_next"}. Resumable like data.generate_data: finished
     shards are kept, a shorter last shard is extended."""
@@ -117,8 +127,10 @@ def score_corpus(target, tokenizer, texts: list[str], out_dir: str | Path, seq_l
     out.mkdir(parents=True, exist_ok=True)
 
     def score(batch: list[list[int]]) -> list[str]:
-        return [json.dumps({"input_ids": s, "prompt_len": 1, "target_next": nxt})
-                for s, nxt in zip(batch, greedy_next(target, batch))]
+        return [
+            json.dumps({"input_ids": s, "prompt_len": 1, "target_next": nxt})
+            for s, nxt in zip(batch, greedy_next(target, batch))
+        ]
 
     bar = tqdm(total=sum(map(len, chunks)), desc="scoring text with the target", unit="tok", disable=not progress)
     fill_shards(out, chunks, shard_size, batch_size, score, bar, weight=len)

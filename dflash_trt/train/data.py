@@ -2,8 +2,8 @@
 
 Boundary: text prompts in, token sequences out ({"input_ids": [...], "prompt_len": P} per line;
 the loss mask is "position >= prompt_len"; lines made from existing text by corpus.py also carry
-"target_next", the target's greedy next tokens, which then serve as the labels). Responses are the target's own continuations, so
-the drafter learns the distribution it will be verified against.
+"target_next", the target's greedy next tokens, which then serve as the labels). Responses are the
+target's own continuations, so the drafter learns the distribution it will be verified against.
 
 Built-in offline sources (on every machine): `stdlib` — docstrings of the Python standard
 library turned into code-writing prompts (four phrasings); `stdlib-code` — only "complete this
@@ -24,29 +24,162 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dflash_trt.api import encode, stop_ids
+from dflash_trt.bench.datasets import load_dataset
+from dflash_trt.config import SamplingParams
+from dflash_trt.decoding.loop import generate_baseline
 from dflash_trt.errors import DFlashError
 
-STDLIB_MODULES = ("string", "textwrap", "json", "itertools", "functools", "collections", "heapq", "bisect",
-                  "statistics", "fractions", "random", "re", "datetime", "calendar", "shutil", "os.path",
-                  "pathlib", "csv", "base64", "difflib", "fnmatch", "glob", "html", "ipaddress", "operator",
-                  "copy", "math", "zipfile", "tarfile", "gzip", "hashlib", "uuid", "urllib.parse", "email.utils",
-                  "configparser", "argparse", "logging", "inspect", "ast", "tokenize", "dataclasses", "enum",
-                  "typing", "queue", "threading", "subprocess", "tempfile", "locale", "gettext", "pprint")
+STDLIB_MODULES = (
+    "string",
+    "textwrap",
+    "json",
+    "itertools",
+    "functools",
+    "collections",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "random",
+    "re",
+    "datetime",
+    "calendar",
+    "shutil",
+    "os.path",
+    "pathlib",
+    "csv",
+    "base64",
+    "difflib",
+    "fnmatch",
+    "glob",
+    "html",
+    "ipaddress",
+    "operator",
+    "copy",
+    "math",
+    "zipfile",
+    "tarfile",
+    "gzip",
+    "hashlib",
+    "uuid",
+    "urllib.parse",
+    "email.utils",
+    "configparser",
+    "argparse",
+    "logging",
+    "inspect",
+    "ast",
+    "tokenize",
+    "dataclasses",
+    "enum",
+    "typing",
+    "queue",
+    "threading",
+    "subprocess",
+    "tempfile",
+    "locale",
+    "gettext",
+    "pprint",
+)
 
 # a second, wider set (prompts appended after the first set's, so older data folders stay aligned);
 # modules missing from this Python are skipped
 MORE_STDLIB_MODULES = (
-    "io", "struct", "decimal", "numbers", "cmath", "codecs", "unicodedata", "secrets", "hmac", "binascii", "zlib",
-    "bz2", "lzma", "shlex", "sched", "contextlib", "abc", "weakref", "types", "graphlib", "reprlib", "keyword",
-    "linecache", "traceback", "warnings", "timeit", "doctest", "unittest", "sqlite3", "xml.etree.ElementTree",
-    "xml.dom.minidom", "html.parser", "http.client", "http.cookies", "http.server", "urllib.request",
-    "email.message", "email.header", "mimetypes", "wave", "colorsys", "plistlib", "netrc", "filecmp", "stat",
-    "selectors", "socket", "asyncio", "concurrent.futures", "multiprocessing.pool", "platform", "sysconfig",
-    "importlib.metadata", "pkgutil", "zipimport", "compileall", "dis", "pickle", "shelve", "dbm", "array",
-    "getopt", "optparse", "cmd", "code", "quopri", "smtplib", "imaplib", "ftplib", "poplib", "xmlrpc.client",
-    "json.decoder", "tomllib", "zoneinfo", "wsgiref.util", "wsgiref.headers", "urllib.robotparser", "posixpath",
-    "fileinput", "pydoc", "runpy", "symtable", "tabnanny", "token", "pyclbr", "py_compile", "modulefinder",
-    "trace", "tracemalloc", "atexit", "signal", "errno", "copyreg")
+    "io",
+    "struct",
+    "decimal",
+    "numbers",
+    "cmath",
+    "codecs",
+    "unicodedata",
+    "secrets",
+    "hmac",
+    "binascii",
+    "zlib",
+    "bz2",
+    "lzma",
+    "shlex",
+    "sched",
+    "contextlib",
+    "abc",
+    "weakref",
+    "types",
+    "graphlib",
+    "reprlib",
+    "keyword",
+    "linecache",
+    "traceback",
+    "warnings",
+    "timeit",
+    "doctest",
+    "unittest",
+    "sqlite3",
+    "xml.etree.ElementTree",
+    "xml.dom.minidom",
+    "html.parser",
+    "http.client",
+    "http.cookies",
+    "http.server",
+    "urllib.request",
+    "email.message",
+    "email.header",
+    "mimetypes",
+    "wave",
+    "colorsys",
+    "plistlib",
+    "netrc",
+    "filecmp",
+    "stat",
+    "selectors",
+    "socket",
+    "asyncio",
+    "concurrent.futures",
+    "multiprocessing.pool",
+    "platform",
+    "sysconfig",
+    "importlib.metadata",
+    "pkgutil",
+    "zipimport",
+    "compileall",
+    "dis",
+    "pickle",
+    "shelve",
+    "dbm",
+    "array",
+    "getopt",
+    "optparse",
+    "cmd",
+    "code",
+    "quopri",
+    "smtplib",
+    "imaplib",
+    "ftplib",
+    "poplib",
+    "xmlrpc.client",
+    "json.decoder",
+    "tomllib",
+    "zoneinfo",
+    "wsgiref.util",
+    "wsgiref.headers",
+    "urllib.robotparser",
+    "posixpath",
+    "fileinput",
+    "pydoc",
+    "runpy",
+    "symtable",
+    "tabnanny",
+    "token",
+    "pyclbr",
+    "py_compile",
+    "modulefinder",
+    "trace",
+    "tracemalloc",
+    "atexit",
+    "signal",
+    "errno",
+    "copyreg",
+)
 
 HELD_OUT = ("humaneval", "writingbench")  # benchmark sets: never training data (see generate_data)
 
@@ -85,8 +218,11 @@ def _public_members(modules: tuple[str, ...]):
             if fname.startswith("_") or not (inspect.isfunction(fn) or inspect.isclass(fn)):
                 continue
             own = inspect.isclass(fn) and getattr(fn, "__module__", "").split(".")[0] == name.split(".")[0]
-            methods = [(m, f) for m, f in sorted(vars(fn).items())
-                       if not m.startswith("_") and inspect.isfunction(f)] if own else []
+            methods = (
+                [(m, f) for m, f in sorted(vars(fn).items()) if not m.startswith("_") and inspect.isfunction(f)]
+                if own
+                else []
+            )
             yield fname, fn, methods
 
 
@@ -108,14 +244,23 @@ def _families(modules: tuple[str, ...]) -> list[list[str]]:
                 methods.append(("method", f"{fname}.{mname}", mdoc))
                 method_stubs += _stub(mname, m, mdoc, owner=fname)
     return [
-        [f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
-         for kind, qn, first in items],
-        [f"Write the Python method `{qn}` that does the following: {first}\nGive the code with a short docstring."
-         for _, qn, first in methods],
-        [f"Implement `{qn}` in Python from scratch, with type hints and a docstring: {first}"
-         for kind, qn, first in items if kind == "function"],
-        [f"Finish this Python code; answer with the complete code in a single code block.\n\n```python\n{stub}```"
-         for stub in stubs + method_stubs],
+        [
+            f"Write a Python {kind} `{qn}` that does the following: {first}\nExplain briefly, then give the code."
+            for kind, qn, first in items
+        ],
+        [
+            f"Write the Python method `{qn}` that does the following: {first}\nGive the code with a short docstring."
+            for _, qn, first in methods
+        ],
+        [
+            f"Implement `{qn}` in Python from scratch, with type hints and a docstring: {first}"
+            for kind, qn, first in items
+            if kind == "function"
+        ],
+        [
+            f"Finish this Python code; answer with the complete code in a single code block.\n\n```python\n{stub}```"
+            for stub in stubs + method_stubs
+        ],
     ]
 
 
@@ -134,9 +279,11 @@ def _stub(name: str, fn, doc: str | None, owner: str | None = None) -> list[str]
     return [body]
 
 
-_REPRS = ((re.compile(r"<(?:function|built-in function|built-in method) ([\w.]+)(?: [^<>]*)?>"), r"\1"),
-          (re.compile(r"<class '(?:[\w]+\.)*(\w+)'>"), r"\1"),
-          (re.compile(r"<function \S+ at 0x[0-9a-f]+>"), "..."))  # lambdas, locals
+_REPRS = (
+    (re.compile(r"<(?:function|built-in function|built-in method) ([\w.]+)(?: [^<>]*)?>"), r"\1"),
+    (re.compile(r"<class '(?:[\w]+\.)*(\w+)'>"), r"\1"),
+    (re.compile(r"<function \S+ at 0x[0-9a-f]+>"), "..."),
+)  # lambdas, locals
 
 
 def _readable_defaults(sig: str) -> str:
@@ -183,7 +330,7 @@ def _doc_lines(fn, max_lines: int = 16) -> str | None:
     lines = [line.rstrip() for line in doc.strip().replace('"""', "'''").splitlines()]
     if len(lines) > max_lines:  # cut at a paragraph break, never inside an example
         breaks = [i for i in range(1, max_lines) if not lines[i]]
-        lines = lines[:breaks[-1] if breaks else max_lines]
+        lines = lines[: breaks[-1] if breaks else max_lines]
     text = "\n".join(("    " + line) if line else "" for line in lines).lstrip()
     return text + "\n    " if len(lines) > 1 else text  # closing quotes on their own line (PEP 257)
 
@@ -196,13 +343,13 @@ def load_prompts(source: str, limit: int | None = None) -> list[str]:
     if source == "stdlib-code":
         return stdlib_code_prompts(limit)
     if source in HELD_OUT:
-        from dflash_trt.bench.datasets import load_dataset
-
         return [p.text for p in load_dataset(source, limit)]
     p = Path(source)
     if not p.is_file():
-        raise DFlashError(f"prompt source {source!r}: not a file and not a built-in source "
-                          f"(built-in: stdlib, stdlib-code; held-out for eval: {', '.join(HELD_OUT)})")
+        raise DFlashError(
+            f"prompt source {source!r}: not a file and not a built-in source "
+            f"(built-in: stdlib, stdlib-code; held-out for eval: {', '.join(HELD_OUT)})"
+        )
     prompts = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
@@ -212,7 +359,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[str]:
                 obj = json.loads(line)
                 prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
             except (json.JSONDecodeError, KeyError):
-                raise DFlashError(f"{p}:{i}: expected a JSON object with a \"prompt\" field") from None
+                raise DFlashError(f'{p}:{i}: expected a JSON object with a "prompt" field') from None
         else:
             prompts.append(line)
     if not prompts:
@@ -235,15 +382,19 @@ def read_sequences(data_dir: str | Path) -> list[dict]:
                 obj = json.loads(line)
                 ids, P = [int(t) for t in obj["input_ids"]], int(obj["prompt_len"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise DFlashError(f"{shard}:{i}: malformed line; expected {{\"input_ids\": [...], \"prompt_len\": N}}") from None
+                raise DFlashError(
+                    f'{shard}:{i}: malformed line; expected {{"input_ids": [...], "prompt_len": N}}'
+                ) from None
             if not 0 < P <= len(ids):
                 raise DFlashError(f"{shard}:{i}: prompt_len={P} outside 1..{len(ids)}")
             seq = {"input_ids": ids, "prompt_len": P}
             if "target_next" in obj:  # teacher-forced text (corpus.py): the target's greedy next tokens
                 nxt = obj["target_next"]
                 if not isinstance(nxt, list) or len(nxt) != len(ids):
-                    raise DFlashError(f"{shard}:{i}: target_next must list one token per input_ids entry "
-                                      f"({len(ids)}); remake the shard with `dflash-trt data score`")
+                    raise DFlashError(
+                        f"{shard}:{i}: target_next must list one token per input_ids entry "
+                        f"({len(ids)}); remake the shard with `dflash-trt data score`"
+                    )
                 seq["target_next"] = [int(t) for t in nxt]
             seqs.append(seq)
     if not seqs:
@@ -251,20 +402,27 @@ def read_sequences(data_dir: str | Path) -> list[dict]:
     return seqs
 
 
-def generate_data(target, tokenizer, prompts: list[str], out_dir: str | Path, max_new_tokens: int = 256,
-                  batch_size: int = 8, chat: bool = True, shard_size: int = 256, temperature: float = 0.0,
-                  seed: int = 0, progress: bool = True) -> Path:
+def generate_data(
+    target,
+    tokenizer,
+    prompts: list[str],
+    out_dir: str | Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    chat: bool = True,
+    shard_size: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> Path:
     """The target answers every prompt; sequences go to out_dir/data-NNNNN.jsonl, shard_size per shard.
     Resumable: shards already written (atomically) are kept and their prompts skipped; a shorter
     last shard (the prompt list grew at the end since) is extended with the new prompts only."""
-    from dflash_trt.config import SamplingParams
-    from dflash_trt.api import encode, stop_ids
-    from dflash_trt.decoding.loop import generate_baseline
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                            stop_token_ids=stop_ids(tokenizer))
+    params = SamplingParams(
+        temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=stop_ids(tokenizer)
+    )
 
     def answer(batch: list[str]) -> list[str]:
         enc = [encode(tokenizer, p, chat) for p in batch]
@@ -283,14 +441,14 @@ def fill_shards(out: Path, items: list, shard_size: int, batch_size: int, produc
     written (atomically) are kept and their items skipped; a shorter last shard (the item list grew
     at the end since) is extended with the new items only. The bar advances by weight(item)."""
     for i in range((len(items) + shard_size - 1) // shard_size):
-        part = items[i * shard_size: (i + 1) * shard_size]
+        part = items[i * shard_size : (i + 1) * shard_size]
         shard = out / f"data-{i:05d}.jsonl"
         lines = [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
         bar.update(sum(map(weight, part[: len(lines)])))
         if len(lines) >= len(part):
             continue
         for start in range(len(lines), len(part), batch_size):
-            batch = part[start: start + batch_size]
+            batch = part[start : start + batch_size]
             lines += produce(batch)
             bar.update(sum(map(weight, batch)))
         _write_shard(out, i, lines)
@@ -301,4 +459,3 @@ def _write_shard(out: Path, index: int, lines: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
-

@@ -21,7 +21,8 @@ import torch
 
 
 def teacher_layer(num_target_layers: int) -> int:
-    """The tap holding the target's last decoder layer output (pre final norm)."""
+    """The tap holding the target's last layer state (after the final norm: target.forward taps
+    layer L-1 as transformers' hidden_states[L])."""
     return num_target_layers - 1
 
 
@@ -44,13 +45,13 @@ def split_features(feats: torch.Tensor, num_taps: int, hidden: int) -> tuple[tor
 def soft_labels(drafter, teacher: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Teacher distribution of every block position 1..B-1, over the drafter's head vocabulary.
 
-    teacher [N, S, d]: the target's last layer output; positions [N, J, B]: the blocks' absolute
+    teacher [N, S, d]: the target's last layer state, final norm applied; positions [N, J, B]: the blocks' absolute
     positions (a..a+B-1) -> probabilities [N, J, B-1, Vd] (float32), Vd = draft vocab size or V.
     Position k's distribution is read at sequence position a+k-1. The logits are the target's
-    (final norm + LM head), through drafter.head_logits: the same draft-vocab rows the drafter uses."""
+    (LM head on the normed state), through drafter.head_logits: the same draft-vocab rows the drafter uses."""
     N, J, B = positions.shape
     target = drafter.target
     at = positions[..., :-1].reshape(N, -1)  # [N, J*(B-1)]
     h = teacher.gather(1, at[..., None].expand(-1, -1, teacher.shape[-1]))  # [N, J*(B-1), d]
-    logits = drafter.head_logits(target.norm(h.to(target.lm_head.weight.dtype)))
+    logits = drafter.head_logits(h.to(target.lm_head.weight.dtype))  # the tap is already normed
     return logits.softmax(-1).view(N, J, B - 1, -1)

@@ -9,27 +9,45 @@ from __future__ import annotations
 
 import dataclasses
 
+from dflash_trt.api import (
+    DTYPES,
+    dtype_name,
+    encode,
+    inexact_greedy_note,
+    load_drafter,
+    load_target,
+    load_tokenizer,
+    set_block_size,
+    stop_ids,
+)
 from dflash_trt.config import SamplingParams
+from dflash_trt.contention import CpuWatch, contention_warning
+from dflash_trt.decoding.draft_length import check_cutoff
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import DFlashError
+from dflash_trt.train.data import load_prompts
 
 
-def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new_tokens: int = 128,
-             chat: bool = True, dtype: str = "auto", target_model=None,
-             block_sizes: list[int] | None = None, device: str = "auto",
-             draft_cutoffs: list[float] | None = None) -> dict:
+def evaluate(
+    target: str,
+    drafter_dir: str,
+    source: str,
+    limit: int = 8,
+    max_new_tokens: int = 128,
+    chat: bool = True,
+    dtype: str = "auto",
+    target_model=None,
+    block_sizes: list[int] | None = None,
+    device: str = "auto",
+    draft_cutoffs: list[float] | None = None,
+) -> dict:
     """DFlash at each of `block_sizes` (default: the drafter's own) x `draft_cutoffs` (default 0: verify
     every draft; decoding/draft_length.py) against the baseline, per prompt interleaved. A drafter
     trained at B runs at any smaller block (fewer MASK slots): a CPU, where a verify pass costs more
     per token than on a GPU, often pays off best at a block well below B, or at B with the verify
     width cut to the drafts the drafter is sure of. The top-level fields are those of the first
     configuration; "sweep" lists every one."""
-    from dflash_trt.contention import CpuWatch
-    from dflash_trt.api import (dtype_name, encode, inexact_greedy_note, load_drafter, load_target,
-                                     load_tokenizer, set_block_size, stop_ids)
-    from dflash_trt.decoding.draft_length import check_cutoff
-    from dflash_trt.decoding.loop import GenerationStats, generate, generate_baseline
-    from dflash_trt.train.data import load_prompts
-
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
     for c in cutoffs:  # before any model loads
         check_cutoff(c, "--draft-cutoff")
@@ -44,11 +62,13 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
     configs = [(b, c) for b in sizes for c in cutoffs]
     for b in sizes:
         if not 2 <= b <= trained_b:
-            raise DFlashError(f"--block-size {b}: choose 2..{trained_b} (the drafter was trained with block size "
-                              f"{trained_b}; larger blocks have MASK slots it never learned)")
+            raise DFlashError(
+                f"--block-size {b}: choose 2..{trained_b} (the drafter was trained with block size "
+                f"{trained_b}; larger blocks have MASK slots it never learned)"
+            )
     tok = load_tokenizer(path)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tok))
-    spec, base = {k: GenerationStats() for k in configs}, GenerationStats()
+    spec, base = {k: DecodeStats() for k in configs}, DecodeStats()
     mismatches = 0
     if prompts:  # warm-up (discarded): the first timed run must not pay one-off allocation/dispatch costs
         ids = encode(tok, prompts[0], chat)[:48]
@@ -68,49 +88,75 @@ def evaluate(target: str, drafter_dir: str, source: str, limit: int = 8, max_new
                 mismatches += a.tokens != b_out.tokens
                 spec[b, c].merge(a.stats)
     if mismatches and inexact_greedy_note(tgt.dtype) is None:
-        raise DFlashError(f"{mismatches} run(s) gave different greedy output with DFlash: this is a bug, "
-                          f"please report it with the prompt")
+        raise DFlashError(
+            f"{mismatches} run(s) gave different greedy output with DFlash: this is a bug, "
+            f"please report it with the prompt"
+        )
 
     def row(b: int, c: float) -> dict:
         st = spec[b, c]
-        return {"block_size": b, "draft_cutoff": c, "tau": st.tau,
-                "verified_drafts_per_step": st.num_draft_tokens / st.num_verify_steps if st.num_verify_steps else 0.0, "acceptance_rate": st.acceptance_rate,
-                "per_position_acceptance": st.per_position_acceptance, "accept_hist": st.accept_hist,
-                "dflash_tokens_per_s": st.decode_tokens_per_s,
-                "speedup": st.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None}
+        return {
+            "block_size": b,
+            "draft_cutoff": c,
+            "tau": st.tau,
+            "verified_drafts_per_step": st.drafts_per_step,
+            "acceptance_rate": st.acceptance_rate,
+            "per_position_acceptance": st.per_position_acceptance,
+            "accept_hist": st.accept_hist,
+            "dflash_tokens_per_s": st.decode_tokens_per_s,
+            "speedup": st.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None,
+        }
 
     rows = [row(b, c) for b, c in configs]
-    return {"num_prompts": len(prompts), **rows[0], "baseline_tokens_per_s": base.decode_tokens_per_s,
-            "dtype": dtype_name(tgt.dtype), "mismatches": mismatches,
-            "trained_block_size": trained_b, "sweep": rows, "other_cpu_share": watch.others_share}
+    return {
+        "num_prompts": len(prompts),
+        **rows[0],
+        "baseline_tokens_per_s": base.decode_tokens_per_s,
+        "dtype": dtype_name(tgt.dtype),
+        "mismatches": mismatches,
+        "trained_block_size": trained_b,
+        "sweep": rows,
+        "other_cpu_share": watch.others_share,
+    }
 
 
 def print_eval(res: dict) -> None:
+    # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_trt.contention import contention_warning
-    from dflash_trt.api import DTYPES, inexact_greedy_note
-
     rows = res.get("sweep") or [res]
-    t = Table(title=f"DFlash eval on {res['num_prompts']} held-out prompts "
-                    f"(drafter trained at block size {res.get('trained_block_size', res['block_size'])})")
-    for col in ("block", "cutoff", "drafts verified", "tau", "acceptance", "DFlash tok/s", "baseline tok/s",
-                "speedup"):
+    t = Table(
+        title=f"DFlash eval on {res['num_prompts']} held-out prompts "
+        f"(drafter trained at block size {res.get('trained_block_size', res['block_size'])})"
+    )
+    for col in ("block", "cutoff", "drafts verified", "tau", "acceptance", "DFlash tok/s", "baseline tok/s", "speedup"):
         t.add_column(col, justify="right")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
-        t.add_row(str(r["block_size"]), f"{r.get('draft_cutoff', 0.0):g}",
-                  f"{r.get('verified_drafts_per_step', r['block_size'] - 1):.1f}", f"{r['tau']:.2f}",
-                  f"{r['acceptance_rate']:.2f}",
-                  f"{r['dflash_tokens_per_s']:.1f}", f"{res['baseline_tokens_per_s']:.1f}", sp)
+        t.add_row(
+            str(r["block_size"]),
+            f"{r.get('draft_cutoff', 0.0):g}",
+            f"{r.get('verified_drafts_per_step', r['block_size'] - 1):.1f}",
+            f"{r['tau']:.2f}",
+            f"{r['acceptance_rate']:.2f}",
+            f"{r['dflash_tokens_per_s']:.1f}",
+            f"{res['baseline_tokens_per_s']:.1f}",
+            sp,
+        )
     Console().print(t)
     if res.get("mismatches"):
         note = inexact_greedy_note(DTYPES[res["dtype"]])
-        Console().print(f"{res['mismatches']} DFlash run(s) differ from the baseline's greedy output: {note}",
-                        style="bold yellow", markup=False, highlight=False)
+        Console().print(
+            f"{res['mismatches']} DFlash run(s) differ from the baseline's greedy output: {note}",
+            style="bold yellow",
+            markup=False,
+            highlight=False,
+        )
     if warn := contention_warning(res.get("other_cpu_share")):
         Console().print(warn, style="bold yellow", markup=False, highlight=False)
     for r in rows:
-        Console().print(f"per-position acceptance (block {r['block_size']}, cutoff {r.get('draft_cutoff', 0.0):g}): "
-                        + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
+        Console().print(
+            f"per-position acceptance (block {r['block_size']}, cutoff {r.get('draft_cutoff', 0.0):g}): "
+            + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
+        )

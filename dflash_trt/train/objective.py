@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt.modeling.drafter import DFlashDrafter
-from dflash_trt.modeling.target import apply_rope
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -48,8 +47,9 @@ def trainable(seq: dict, block_size: int) -> bool:
     return hi >= lo
 
 
-def sample_anchors(lengths: list[int], prompt_lens: list[int], num: int, block_size: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    lengths: list[int], prompt_lens: list[int], num: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num` distinct anchors per sequence among response positions a with a + B <= length.
 
     -> anchors [N, num] (long), valid [N, num] (bool)."""
@@ -77,8 +77,27 @@ class BlockBatch:
     label_mask: torch.Tensor | None = None  # [N, J, B-1] bool: which labels count (None: all)
 
 
-def make_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                mask_token_id: int, target_next: torch.Tensor | None = None) -> BlockBatch:
+def next_tokens(batch: list[dict], S: int, device) -> torch.Tensor | None:
+    """target_next [N, S] for make_blocks when any sequence of the batch is teacher-forced text
+    (corpus.py); a regenerated sequence's next tokens are its own (every label then counts). None
+    when the whole batch is regenerated answers."""
+    if not any("target_next" in s for s in batch):
+        return None
+    nxt = torch.zeros(len(batch), S, dtype=torch.long)
+    for r, s in enumerate(batch):
+        row = s.get("target_next") or s["input_ids"][1:] + [0]
+        nxt[r, : len(row)] = torch.tensor(row)
+    return nxt.to(device)
+
+
+def make_blocks(
+    input_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    target_next: torch.Tensor | None = None,
+) -> BlockBatch:
     """input_ids [N, S] (padded), anchors/valid [N, J] -> the blocks and their labels.
 
     Without target_next the labels are the sequence's own next tokens (the target's regenerated
@@ -121,21 +140,40 @@ def drafter_train_forward(drafter: DFlashDrafter, taps: torch.Tensor, blocks: Bl
     ctx_pos = torch.arange(S, device=taps.device)[None].expand(N, S)
     ccos, csin = drafter.rotary(ctx_pos, ctx.dtype)
     pos = blocks.positions.flatten(1)  # [N, JB]
-    x = target.embed(blocks.block_ids.flatten(1)).to(ctx.dtype)
+    x = target.embed(blocks.block_ids.flatten(1))
+    if drafter.config.input_embedding_scale != 1.0:  # as draft_block scales it
+        x = x * drafter.config.input_embedding_scale
+    x = x.to(ctx.dtype)
     bcos, bsin = drafter.rotary(pos, x.dtype)
-    visible = block_mask(blocks.anchors, blocks.valid, S, B).to(taps.device)[:, None]  # [N, 1, JB, S+JB]
-    for layer in drafter.layers:
+    plain = block_mask(blocks.anchors, blocks.valid, S, B).to(taps.device)  # [N, JB, S+JB]
+    key_pos = torch.cat([ctx_pos, pos], 1)[:, None, :]  # [N, 1, S+JB]: a key's absolute position
+    for i, layer in enumerate(drafter.layers):
+        visible = _layer_mask(plain, pos[:, :, None], key_pos, *drafter.config.layer_attention(i))[:, None]
         attn = layer.self_attn
         k_ctx, v_ctx = attn.kv(ctx, ccos, csin)
         h = layer.input_layernorm(x)
         k_blk, v_blk = attn.kv(h, bcos, bsin)
         q = attn.q(h, bcos, bsin)
         k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale,
-                                           enable_gqa=attn.num_heads != attn.num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads
+        )
         x = x + attn.o_proj(o.transpose(1, 2).reshape(N, J * B, -1))
         x = x + layer.ffn(layer.post_attention_layernorm(x))
     return drafter.norm(x).view(N, J, B, -1)
+
+
+def _layer_mask(
+    plain: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
+    """plain [N, JB, S+JB] narrowed for a causal and/or sliding-window layer, as draft_block's
+    mask: q_pos [N, JB, 1], key_pos [N, 1, S+JB] absolute positions."""
+    m = plain & (key_pos <= q_pos) if causal else plain
+    if window is not None:
+        m = m & (q_pos - key_pos < window)
+        if not causal:
+            m = m & (key_pos - q_pos < window)
+    return m
 
 
 @dataclass
@@ -146,15 +184,21 @@ class LossOutput:
     num_blocks: int
 
 
-def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, gamma: float,
-                soft: torch.Tensor | None = None, kd_weight: float = 0.0) -> LossOutput:
+def dflash_loss(
+    drafter: DFlashDrafter,
+    taps: torch.Tensor,
+    blocks: BlockBatch,
+    gamma: float,
+    soft: torch.Tensor | None = None,
+    kd_weight: float = 0.0,
+) -> LossOutput:
     """Cross-entropy on block positions 1..B-1 weighted exp(-(k-1)/gamma), averaged over valid blocks.
 
     With soft [N, J, B-1, Vd] (teacher probabilities, distill.soft_labels) and kd_weight a, each
     position's term is (1 - a) * CE(hard label) + a * CE(soft label); a hard label outside the
     draft vocabulary then still has its soft term. Accuracy and tau_est always use hard labels."""
     hidden = drafter_train_forward(drafter, taps, blocks)[:, :, 1:]  # [N, J, B-1, d]
-    logits = drafter.head_logits(hidden)  # [N, J, B-1, Vd]
+    logits = drafter.finish_logits(drafter.head_logits(hidden))  # [N, J, B-1, Vd]
     labels = blocks.labels  # [N, J, B-1] token ids
     if drafter.draft_vocab is not None:  # token ids -> draft-vocab indices; outside: no loss, never correct
         dv = drafter.draft_vocab.to(labels.device)
@@ -162,8 +206,7 @@ def dflash_loss(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, 
         labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
     B = blocks.block_ids.shape[-1]
     w = position_weights(B, gamma).to(logits.device)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none",
-                         ignore_index=-100).view_as(labels)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none", ignore_index=-100).view_as(labels)
     if soft is not None and kd_weight > 0:
         soft_ce = -(soft.to(logits.dtype) * logits.log_softmax(-1)).sum(-1)  # [N, J, B-1]
         ce = (1.0 - kd_weight) * ce + kd_weight * soft_ce

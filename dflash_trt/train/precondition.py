@@ -57,13 +57,15 @@ class ScaledFC(nn.Linear):
         w = self.raw_weight()
         destination[prefix + "weight"] = w if keep_vars else w.detach()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         key = prefix + "weight"
         if key in state_dict:
             state_dict[key] = state_dict[key].to(self.scale.device) * self.scale.to(state_dict[key].dtype)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
 def use_tap_scaling(drafter, scale: torch.Tensor) -> ScaledFC:

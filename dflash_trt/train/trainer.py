@@ -1,7 +1,8 @@
 """Drafter training loop: TrainConfig (YAML + CLI overrides), features online or offline,
 AdamW with cosine schedule, resumable atomic checkpoints.
 
-Boundary: orchestration only; the objective is in objective.py, data formats in data.py.
+Boundary: orchestration only; the objective is in objective.py, data formats in data.py, the
+target forward that taps features in features.py.
 Determinism: the epoch order and every batch's anchors derive from (seed, index), never from a
 running RNG, so a run resumed from a checkpoint at step k reaches the same weights as one that
 never stopped.
@@ -18,8 +19,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -29,14 +28,25 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dflash_trt.api import load_target, native_bf16, resolve_device
+from dflash_trt.atomic import atomic_dir
 from dflash_trt.config import DrafterConfig
-from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.errors import ConfigError
+from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.distill import feature_layers, soft_labels, split_features
-from dflash_trt.train.objective import (cosine_lr, default_gamma, dflash_loss, make_blocks, sample_anchors,
-                                        trainable)
+from dflash_trt.train.features import target_taps
+from dflash_trt.train.objective import (
+    cosine_lr,
+    default_gamma,
+    dflash_loss,
+    make_blocks,
+    next_tokens,
+    sample_anchors,
+    trainable,
+)
 from dflash_trt.train.precondition import tap_scale, use_tap_scaling
+from dflash_trt.train.validate import Validator, is_validation
 
 
 @dataclass
@@ -58,7 +68,9 @@ class TrainConfig:
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1
     max_seq_len: int = 1024  # longer sequences are truncated
-    bf16: bool | None = None  # bf16 autocast, fp32 master weights; default: where bf16 GEMMs are native (GPU, AVX512-BF16/AMX CPU)
+    bf16: bool | None = (
+        None  # bf16 autocast, fp32 master weights; default: where bf16 GEMMs are native (GPU, AVX512-BF16/AMX CPU)
+    )
     features: str = "online"  # online: target forward per step; offline: precomputed once to disk
     features_dir: str | None = None  # offline features location (default OUT/features)
     draft_vocab: int = 0  # 0: full vocabulary; N: the head covers the N most frequent response tokens (faster)
@@ -66,10 +78,10 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     dtype: str = "auto"  # target weights dtype (auto: bf16 where bf16 GEMMs are native, else fp32)
-    device: str = "auto"  # where target and drafter run: auto (the CUDA GPU where there is one, else the CPU) | cpu | cuda | cuda:N
+    device: str = "auto"  # where target and drafter run: auto (a CUDA GPU if any, else CPU) | cpu | cuda | cuda:N
     val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
     tap_scaling: bool = True  # train fc on taps / their per-dim RMS (target layers differ 10-100x); folded on save
-    kd_weight: float = 0.0  # soft labels: loss = (1-a)*CE(label) + a*CE(target's distribution); > 0 also stores the target's last layer with the features
+    kd_weight: float = 0.0  # soft labels: loss = (1-a)*CE(label) + a*CE(target dist); > 0 also stores its last layer
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -85,11 +97,21 @@ class TrainConfig:
             raise ConfigError(f"draft_vocab={self.draft_vocab}: must be 0 (full vocabulary) or a token count")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
-        from dflash_trt.api import resolve_device
-
         resolve_device(self.device)  # a GPU asked for where there is none fails here, naming the field
         if not 0.0 <= self.kd_weight <= 1.0:
-            raise ConfigError(f"kd_weight={self.kd_weight}: must be in [0, 1] (0: hard labels only, 1: soft labels only)")
+            raise ConfigError(
+                f"kd_weight={self.kd_weight}: must be in [0, 1] (0: hard labels only, 1: soft labels only)"
+            )
+
+
+# Bumped when the meaning of a stored feature changes, so that older stores are recomputed rather than
+# reused: 2 = a tap on the target's last layer is taken after its final norm (HF hidden_states[L], as
+# the reference drafters read it), where version 1 stored the pre-norm state.
+FEATURE_FORMAT = 2
+
+
+def _feature_salt(tap_layers: list[int]) -> list[int]:
+    return [-FEATURE_FORMAT, *tap_layers]  # negative: cannot collide with a plain list of layer ids
 
 
 class FeatureStore:
@@ -122,7 +144,9 @@ class FeatureStore:
     @staticmethod
     def holds(folder: Path, seqs: list[list[int]], tap_layers: list[int]) -> bool:
         """Whether `folder` holds the complete features of exactly these sequences and layers."""
-        return FeatureStore._marker(folder).get("fingerprint") == FeatureStore.fingerprint(seqs, tap_layers)
+        return FeatureStore._marker(folder).get("fingerprint") == FeatureStore.fingerprint(
+            seqs, _feature_salt(tap_layers)
+        )
 
     @staticmethod
     def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
@@ -130,7 +154,7 @@ class FeatureStore:
         prompts, `data generate` extending it) keeps the features of the sequences it had and computes
         the new ones; anything else is recomputed from scratch."""
         marker = folder / "complete"
-        fp = FeatureStore.fingerprint(seqs, tap_layers)
+        fp = FeatureStore.fingerprint(seqs, _feature_salt(tap_layers))
         width = len(tap_layers) * target.config.hidden_size
         start = 0
         if marker.is_file():
@@ -138,10 +162,15 @@ class FeatureStore:
             if prev.get("fingerprint") == fp:
                 return
             n = prev.get("num_seqs")
-            size_ok = (folder / "features.bin").is_file() and \
-                (folder / "features.bin").stat().st_size == prev.get("rows", -1) * width * 2
-            if isinstance(n, int) and 0 < n < len(seqs) and size_ok and \
-                    FeatureStore.fingerprint(seqs[:n], tap_layers) == prev["fingerprint"]:
+            size_ok = (folder / "features.bin").is_file() and (folder / "features.bin").stat().st_size == prev.get(
+                "rows", -1
+            ) * width * 2
+            if (
+                isinstance(n, int)
+                and 0 < n < len(seqs)
+                and size_ok
+                and FeatureStore.fingerprint(seqs[:n], _feature_salt(tap_layers)) == prev["fingerprint"]
+            ):
                 start = n
                 print(f"{folder}: reusing the features of {n} sequences, computing {len(seqs) - n} new ones")
             else:
@@ -154,10 +183,10 @@ class FeatureStore:
             os.truncate(folder / "features.bin", total * width * 2)
         mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r+" if start else "w+", shape=(total, width))
         for i in tqdm(range(start, len(seqs), batch_size), desc="precomputing target features"):
-            chunk = seqs[i: i + batch_size]
+            chunk = seqs[i : i + batch_size]
             taps = target_taps(target, chunk, tap_layers)
             for r, s in enumerate(chunk):
-                mm[off: off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                mm[off : off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
                 off += len(s)
         mm.flush()
         marker.write_text(json.dumps({"rows": total, "num_seqs": len(seqs), "fingerprint": fp}))
@@ -167,47 +196,26 @@ class FeatureStore:
         for r, i in enumerate(idx):
             a, b = int(self.offsets[i]), int(self.offsets[i + 1])
             n = min(b - a, S)
-            out[r, :n] = torch.from_numpy(np.array(self.mm[a: a + n]).view(np.int16)).view(torch.bfloat16)
+            out[r, :n] = torch.from_numpy(np.array(self.mm[a : a + n]).view(np.int16)).view(torch.bfloat16)
         return out
 
 
-@torch.no_grad()
-def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.Tensor:
-    """Tapped hidden states [N, S, taps*d] of right-padded sequences (padding is causal-invisible)."""
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s)
-    ids = ids.to(target.device)
-    no_logits = torch.zeros(len(seqs), 0, dtype=torch.long, device=target.device)  # the LM head is not needed
-    return target.forward(ids, target.new_cache(len(seqs), S), tap_layers, logits_at=no_logits).taps
-
-
-def _tap_scale(target, seqs: list[dict], tap_layers: list[int], store: "FeatureStore | None",
-               num: int = 32) -> torch.Tensor:
+def _tap_scale(
+    target, seqs: list[dict], tap_layers: list[int], store: FeatureStore | None, num: int = 32
+) -> torch.Tensor:
     """Per-dimension RMS of the tapped features of the first `num` sequences (see precondition.py),
     from the offline store when there is one (the bf16 features training sees), else the target."""
     ids = [s["input_ids"] for s in seqs[:num]]
     rows = []
     for i in range(0, len(ids), 4):
-        chunk = ids[i: i + 4]
-        f = store.get(list(range(i, i + len(chunk))), max(map(len, chunk))) if store is not None \
-            else target_taps(target, chunk, tap_layers).to(torch.bfloat16).cpu()  # same statistic either way
+        chunk = ids[i : i + 4]
+        f = (
+            store.get(list(range(i, i + len(chunk))), max(map(len, chunk)))
+            if store is not None
+            else target_taps(target, chunk, tap_layers).to(torch.bfloat16).cpu()
+        )  # same statistic either way
         rows += [f[r, : len(c), : len(tap_layers) * target.config.hidden_size] for r, c in enumerate(chunk)]
     return tap_scale(rows)
-
-
-def next_tokens(batch: list[dict], S: int, device) -> torch.Tensor | None:
-    """target_next [N, S] for make_blocks when any sequence of the batch is teacher-forced text
-    (corpus.py); a regenerated sequence's next tokens are its own (every label then counts). None
-    when the whole batch is regenerated answers."""
-    if not any("target_next" in s for s in batch):
-        return None
-    nxt = torch.zeros(len(batch), S, dtype=torch.long)
-    for r, s in enumerate(batch):
-        row = s.get("target_next") or s["input_ids"][1:] + [0]
-        nxt[r, : len(row)] = torch.tensor(row)
-    return nxt.to(device)
 
 
 def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
@@ -215,15 +223,23 @@ def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
     text, the target's greedy predictions (ties: lower id first) -> [<= n]."""
     counts: dict[int, int] = {}
     for s in seqs:
-        labels = s["target_next"][s["prompt_len"] - 1:] if "target_next" in s else s["input_ids"][s["prompt_len"]:]
+        labels = s["target_next"][s["prompt_len"] - 1 :] if "target_next" in s else s["input_ids"][s["prompt_len"] :]
         for t in labels:
             counts[t] = counts.get(t, 0) + 1
     top = sorted(counts, key=lambda t: (-counts[t], t))[:n]
     return torch.tensor(sorted(top), dtype=torch.long)
 
 
-_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "block_size", "target_layer_ids", "mask_token_id", "draft_vocab_size")
+_SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "draft_vocab_size",
+)
 
 
 def _check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str, tap_scaling: bool) -> int | None:
@@ -232,19 +248,28 @@ def _check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str, ta
     live in another space); one trained on other data or batching continues, but says so (the run
     is then no longer bit-reproducible)."""
     if state["config"].get("tap_scaling", False) != tap_scaling:
-        raise ConfigError(f"tap_scaling={tap_scaling}: the checkpoint in {ckpt} was trained with "
-                          f"tap_scaling={not tap_scaling}; keep that setting to resume, or train into a new --out")
+        raise ConfigError(
+            f"tap_scaling={tap_scaling}: the checkpoint in {ckpt} was trained with "
+            f"tap_scaling={not tap_scaling}; keep that setting to resume, or train into a new --out"
+        )
     old = DrafterConfig.from_json_dict(json.loads((ckpt / "config.json").read_text()))
-    differ = [f"{f}: checkpoint {getattr(old, f)} vs now {getattr(dcfg, f)}" for f in _SHAPE_FIELDS
-              if f != "draft_vocab_size" and getattr(old, f) != getattr(dcfg, f)]
+    differ = [
+        f"{f}: checkpoint {getattr(old, f)} vs now {getattr(dcfg, f)}"
+        for f in _SHAPE_FIELDS
+        if f != "draft_vocab_size" and getattr(old, f) != getattr(dcfg, f)
+    ]
     if (old.draft_vocab_size is None) != (dcfg.draft_vocab_size is None):
         differ.append(f"draft_vocab_size: checkpoint {old.draft_vocab_size} vs now {dcfg.draft_vocab_size}")
     if differ:
-        raise ConfigError(f"{ckpt} holds a drafter of another shape ({'; '.join(differ)}); "
-                          f"train into a new --out, or delete {ckpt} to start over")
+        raise ConfigError(
+            f"{ckpt} holds a drafter of another shape ({'; '.join(differ)}); "
+            f"train into a new --out, or delete {ckpt} to start over"
+        )
     if state.get("data_fingerprint") not in (None, data_fp):
-        print(f"{ckpt}: the data (or seed / batch size) changed since this checkpoint; continuing from step "
-              f"{state['step']} on the current data (delete the checkpoint to start over)")
+        print(
+            f"{ckpt}: the data (or seed / batch size) changed since this checkpoint; continuing from step "
+            f"{state['step']} on the current data (delete the checkpoint to start over)"
+        )
     return old.draft_vocab_size
 
 
@@ -270,29 +295,17 @@ class _MetricsLog:
 
 
 def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=folder.parent))
-    try:
+    """The drafter's files and trainer_state.pt, replacing `folder` as one unit (dflash_trt/atomic.py)."""
+    with atomic_dir(folder, tag="ckpt") as tmp:
         drafter.save_pretrained(tmp / "d")
         for f in (tmp / "d").iterdir():
             f.rename(tmp / f.name)
         (tmp / "d").rmdir()
         torch.save(state, tmp / "trainer_state.pt")
-        old = folder.with_name(folder.name + ".old")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
-def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
-    """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
-    from dflash_trt.api import load_target, native_bf16
-    from dflash_trt.train.validate import Validator, is_validation
-
+def _data_folders(cfg: TrainConfig) -> list[str]:
+    """cfg.data's folders; refused when none is given, or when one is a validation set (or val_data)."""
     if not cfg.out:
         raise ConfigError("out: give an output folder")
     folders = [f for f in cfg.data.split(",") if f.strip()]
@@ -300,30 +313,167 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         raise ConfigError("data: give a data folder (dflash-trt data generate / data score)")
     for folder in folders:
         if is_validation(folder):
-            raise ConfigError(f"data {folder}: this is a validation set (made with --validation, from held-out "
-                              f"prompts); train on other data and pass it as val_data instead")
+            raise ConfigError(
+                f"data {folder}: this is a validation set (made with --validation, from held-out "
+                f"prompts); train on other data and pass it as val_data instead"
+            )
         if cfg.val_data and Path(cfg.val_data).resolve() == Path(folder).resolve():
-            raise ConfigError(f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
-                              f"sequences (dflash-trt data generate --validation)")
+            raise ConfigError(
+                f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
+                f"sequences (dflash-trt data generate --validation)"
+            )
+    return folders
+
+
+def _training_sequences(cfg: TrainConfig, folders: list[str]) -> list[dict]:
+    """The folders' sequences with a response of at least one block, cut to max_seq_len."""
+    seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
+    if not seqs:
+        raise ConfigError(
+            f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
+            f"generate longer responses or lower block_size"
+        )
+    for s in seqs:
+        s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
+        if "target_next" in s:
+            s["target_next"] = s["target_next"][: cfg.max_seq_len]
+    return seqs
+
+
+def _drafter_config(cfg: TrainConfig, target, seqs: list[dict]) -> tuple[DrafterConfig, torch.Tensor | None]:
+    """The drafter's shape for this target, and its draft vocabulary (None: the target's whole one)."""
+    dcfg = DrafterConfig.for_target(
+        target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids
+    )
+    vocab = None
+    if cfg.draft_vocab:
+        vocab = frequent_tokens(seqs, min(cfg.draft_vocab, target.vocab_size))
+        dcfg.draft_vocab_size = len(vocab)
+    return dcfg, vocab
+
+
+def _offline_features(
+    cfg: TrainConfig, target, dcfg: DrafterConfig, seqs: list[dict], out: Path, layers: list[int]
+) -> tuple[list[int], FeatureStore]:
+    """features: offline -- the taps precomputed once into a FeatureStore; returns the layers it holds."""
+    fdir = Path(cfg.features_dir or out / "features")
+    token_ids = [s["input_ids"] for s in seqs]
+    with_teacher = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, True)
+    if FeatureStore.holds(fdir, token_ids, with_teacher):
+        layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
+    FeatureStore.build(target, token_ids, layers, fdir, cfg.batch_size)
+    return layers, FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)
+
+
+def _resume(ckpt: Path, state: dict | None, drafter: DFlashDrafter, opt, tap_scaling: bool) -> int:
+    """The step to start from: 0, or a checkpoint's, after loading its weights, draft vocabulary and
+    optimizer moments."""
+    if state is None:
+        return 0
+    drafter.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
+    if tap_scaling:  # the trained parameter itself: unfolding the saved weight would round
+        drafter.fc.weight.data.copy_(state["fc_weight"])
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def _micro_batch_indices(num_seqs: int, batch_size: int, seed: int, i: int, per_epoch: int) -> list[int]:
+    """The sequences of global micro-batch i: its epoch's order derives from (seed, epoch) alone."""
+    epoch, pos = divmod(i, per_epoch)
+    order = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    return order[pos * batch_size : (pos + 1) * batch_size].tolist()
+
+
+def _micro_batch_loss(
+    cfg: TrainConfig,
+    dcfg: DrafterConfig,
+    target,
+    drafter: DFlashDrafter,
+    seqs: list[dict],
+    idx: list[int],
+    i: int,
+    store: FeatureStore | None,
+    layers: list[int],
+    gamma: float,
+    autocast,
+):
+    """The DFlash loss of micro-batch i (sequences idx), before backward; and its token count."""
+    batch = [seqs[j] for j in idx]
+    lens = [len(s["input_ids"]) for s in batch]
+    S = max(lens)
+    ids = torch.zeros(len(batch), S, dtype=torch.long)
+    for r, s in enumerate(batch):
+        ids[r, : lens[r]] = torch.tensor(s["input_ids"])
+    ids = ids.to(target.device)
+    feats = (
+        store.get(idx, S).to(target.device) if store else target_taps(target, [s["input_ids"] for s in batch], layers)
+    )
+    taps, teacher = split_features(feats, dcfg.num_taps, dcfg.hidden_size)
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # anchors from (seed, index): resumable
+    anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq, cfg.block_size, gen)
+    blocks = make_blocks(
+        ids,
+        anchors.to(ids.device),
+        valid.to(ids.device),
+        cfg.block_size,
+        dcfg.mask_token_id,
+        next_tokens(batch, S, ids.device),
+    )
+    soft = soft_labels(drafter, teacher, blocks.positions) if teacher is not None and cfg.kd_weight else None
+    with autocast:
+        res = dflash_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight)
+    return res, sum(lens)
+
+
+def _log_step(bar, metrics: _MetricsLog, step: int, res, lr: float, tok_s: float) -> None:
+    acc = res.accuracy.tolist()
+    bar.set_postfix(
+        loss=f"{res.loss.item():.3f}",
+        acc1=f"{acc[0]:.2f}",
+        tau_est=f"{1 + res.accepted.item():.2f}",
+        tok_s=f"{tok_s:.0f}",
+        lr=f"{lr:.1e}",
+    )
+    metrics.write(
+        {
+            "step": step,
+            "loss": res.loss.item(),
+            "acc": [round(a, 4) for a in acc],
+            "tau_est": 1 + res.accepted.item(),
+            "lr": lr,
+            "tok_s": tok_s,
+        }
+    )
+
+
+def _log_validation(bar, metrics: _MetricsLog, step: int, v: dict) -> None:
+    metrics.write({"step": step, **v})
+    bar.write(
+        f"step {step}: held-out loss {v['val_loss']:.3f}, tau_est {v['val_tau_est']:.2f}, "
+        f"acc@1 {v['val_acc'][0]:.2f} ({v['val_blocks']} blocks)"
+    )
+
+
+def _trainer_state(cfg: TrainConfig, drafter: DFlashDrafter, opt, step: int, data_fp: str) -> dict:
+    """What a checkpoint needs beside the drafter's files to resume exactly (see _resume)."""
+    extra = (
+        {"tap_scale": drafter.fc.scale.cpu(), "fc_weight": drafter.fc.weight.detach().cpu().clone()}
+        if cfg.tap_scaling
+        else {}
+    )
+    return {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg), "data_fingerprint": data_fp, **extra}
+
+
+def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
+    """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
+    folders = _data_folders(cfg)
     out = Path(cfg.out)
     if target is None:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
         target, _ = load_target(cfg.target, cfg.dtype, progress, for_training=True, device=cfg.device)
-    seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
-    if not seqs:
-        raise ConfigError(f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
-                          f"generate longer responses or lower block_size")
-    for s in seqs:
-        s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
-        if "target_next" in s:
-            s["target_next"] = s["target_next"][: cfg.max_seq_len]
-    dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                                    target_layer_ids=cfg.target_layer_ids)
-    vocab = None
-    if cfg.draft_vocab:
-        vocab = frequent_tokens(seqs, min(cfg.draft_vocab, target.vocab_size))
-        dcfg.draft_vocab_size = len(vocab)
+    seqs = _training_sequences(cfg, folders)
+    dcfg, vocab = _drafter_config(cfg, target, seqs)
     ckpt = out / "checkpoint"
     data_fp = FeatureStore.fingerprint([s["input_ids"] for s in seqs], [cfg.seed, cfg.batch_size, cfg.grad_accum])
     state = None
@@ -333,13 +483,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     store = None
     layers = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, cfg.kd_weight > 0)
     if cfg.features == "offline":
-        fdir = Path(cfg.features_dir or out / "features")
-        token_ids = [s["input_ids"] for s in seqs]
-        with_teacher = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, True)
-        if FeatureStore.holds(fdir, token_ids, with_teacher):
-            layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
-        FeatureStore.build(target, token_ids, layers, fdir, cfg.batch_size)
-        store = FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)
+        layers, store = _offline_features(cfg, target, dcfg, seqs, out, layers)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
     if vocab is not None and state is None:
@@ -352,17 +496,12 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)
     total = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
     stop_at = min(total, cfg.max_steps or total)
-    step = 0
-    if state is not None:  # resume: weights, draft vocabulary, optimizer moments and step
-        drafter.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
-        if cfg.tap_scaling:  # the trained parameter itself: unfolding the saved weight would round
-            drafter.fc.weight.data.copy_(state["fc_weight"])
-        opt.load_state_dict(state["optimizer"])
-        step = int(state["step"])
+    step = _resume(ckpt, state, drafter, opt, cfg.tap_scaling)
     validator = None
     if cfg.val_data:
-        validator = Validator(target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id,
-                              gamma, cfg.max_seq_len)
+        validator = Validator(
+            target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id, gamma, cfg.max_seq_len
+        )
     metrics = _MetricsLog(out / "metrics.jsonl", step)
     use_bf16 = native_bf16(target.device) if cfg.bf16 is None else cfg.bf16
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
@@ -375,50 +514,20 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         opt.zero_grad(set_to_none=True)
         for m in range(cfg.grad_accum):
             i = step * cfg.grad_accum + m  # global micro-batch index
-            epoch, pos = divmod(i, per_epoch)
-            order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
-            idx = order[pos * cfg.batch_size: (pos + 1) * cfg.batch_size].tolist()
-            batch = [seqs[j] for j in idx]
-            lens = [len(s["input_ids"]) for s in batch]
-            S = max(lens)
-            ids = torch.zeros(len(batch), S, dtype=torch.long)
-            for r, s in enumerate(batch):
-                ids[r, : lens[r]] = torch.tensor(s["input_ids"])
-            ids = ids.to(target.device)
-            feats = store.get(idx, S).to(target.device) if store else target_taps(target, [s["input_ids"] for s in batch],
-                                                                 layers)
-            taps, teacher = split_features(feats, dcfg.num_taps, dcfg.hidden_size)
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
-            anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq,
-                                            cfg.block_size, gen)
-            blocks = make_blocks(ids, anchors.to(ids.device), valid.to(ids.device), cfg.block_size, dcfg.mask_token_id,
-                                 next_tokens(batch, S, ids.device))
-            soft = soft_labels(drafter, teacher, blocks.positions) if teacher is not None and cfg.kd_weight else None
-            with autocast:
-                res = dflash_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight)
+            idx = _micro_batch_indices(len(seqs), cfg.batch_size, cfg.seed, i, per_epoch)
+            res, tokens = _micro_batch_loss(cfg, dcfg, target, drafter, seqs, idx, i, store, layers, gamma, autocast)
             (res.loss / cfg.grad_accum).backward()
-            seen += sum(lens)
+            seen += tokens
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == stop_at:
-            acc = res.accuracy.tolist()
-            tok_s = seen / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{res.loss.item():.3f}", acc1=f"{acc[0]:.2f}", tau_est=f"{1 + res.accepted.item():.2f}",
-                            tok_s=f"{tok_s:.0f}", lr=f"{lr:.1e}")
-            metrics.write({"step": step, "loss": res.loss.item(), "acc": [round(a, 4) for a in acc],
-                           "tau_est": 1 + res.accepted.item(), "lr": lr, "tok_s": tok_s})
+            _log_step(bar, metrics, step, res, lr, seen / (time.perf_counter() - t0))
         if step % cfg.save_every == 0 or step == stop_at:
             if validator is not None:
-                v = validator(drafter)
-                metrics.write({"step": step, **v})
-                bar.write(f"step {step}: held-out loss {v['val_loss']:.3f}, tau_est {v['val_tau_est']:.2f}, "
-                          f"acc@1 {v['val_acc'][0]:.2f} ({v['val_blocks']} blocks)")
-            extra = {"tap_scale": drafter.fc.scale.cpu(), "fc_weight": drafter.fc.weight.detach().cpu().clone()} \
-                if cfg.tap_scaling else {}
-            _save_checkpoint(ckpt, drafter, {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg),
-                                             "data_fingerprint": data_fp, **extra})
+                _log_validation(bar, metrics, step, validator(drafter))
+            _save_checkpoint(ckpt, drafter, _trainer_state(cfg, drafter, opt, step, data_fp))
     bar.close()
     final = out / "drafter"
     DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.bench.datasets import spread
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
-from dflash_trt.train.objective import BlockBatch, anchor_range, dflash_loss, make_blocks, trainable
+from dflash_trt.train.features import target_taps
+from dflash_trt.train.objective import BlockBatch, anchor_range, dflash_loss, make_blocks, next_tokens, trainable
 
 VALIDATION_MARKER = "VALIDATION"  # in a data folder made for validation: never used as training data
 
@@ -44,12 +46,19 @@ def fixed_anchors(length: int, prompt_len: int, block_size: int, num: int) -> li
 
 
 class Validator:
-    def __init__(self, target, data_dir: str | Path, tap_layers: list[int], block_size: int, mask_token_id: int,
-                 gamma: float, max_seq_len: int, anchors_per_seq: int = 32, max_seqs: int = 64,
-                 batch_size: int = 4):
-        from dflash_trt.bench.datasets import spread
-        from dflash_trt.train.trainer import next_tokens, target_taps
-
+    def __init__(
+        self,
+        target,
+        data_dir: str | Path,
+        tap_layers: list[int],
+        block_size: int,
+        mask_token_id: int,
+        gamma: float,
+        max_seq_len: int,
+        anchors_per_seq: int = 32,
+        max_seqs: int = 64,
+        batch_size: int = 4,
+    ):
         seqs = [s for s in read_sequences(data_dir) if trainable(s, block_size)]
         if not seqs:
             raise ConfigError(f"val_data {data_dir}: no sequence has a response of >= block_size={block_size} tokens")
@@ -57,8 +66,8 @@ class Validator:
         self.gamma = gamma
         self.batches: list[tuple[torch.Tensor, BlockBatch]] = []
         for i in range(0, len(seqs), batch_size):
-            chunk = [s["input_ids"][:max_seq_len] for s in seqs[i: i + batch_size]]
-            plens = [s["prompt_len"] for s in seqs[i: i + batch_size]]
+            chunk = [s["input_ids"][:max_seq_len] for s in seqs[i : i + batch_size]]
+            plens = [s["prompt_len"] for s in seqs[i : i + batch_size]]
             picks = [fixed_anchors(len(c), p, block_size, anchors_per_seq) for c, p in zip(chunk, plens)]
             J = max(map(len, picks))
             if J == 0:
@@ -71,9 +80,14 @@ class Validator:
                 anchors[r, : len(a)] = torch.tensor(a, dtype=torch.long)
                 valid[r, : len(a)] = True
             taps = target_taps(target, chunk, tap_layers).to(torch.bfloat16)  # as offline training sees them
-            blocks = make_blocks(ids.to(target.device), anchors.to(target.device), valid.to(target.device),
-                                 block_size, mask_token_id,
-                                 next_tokens(seqs[i: i + batch_size], ids.shape[1], target.device))
+            blocks = make_blocks(
+                ids.to(target.device),
+                anchors.to(target.device),
+                valid.to(target.device),
+                block_size,
+                mask_token_id,
+                next_tokens(seqs[i : i + batch_size], ids.shape[1], target.device),
+            )
             self.batches.append((taps, blocks))
 
     @torch.no_grad()
@@ -91,5 +105,9 @@ class Validator:
             acc = res.accuracy * k if acc is None else acc + res.accuracy * k
         drafter.train(was_training)
         n = max(n, 1.0)
-        return {"val_loss": loss / n, "val_tau_est": 1.0 + accepted / n,
-                "val_acc": [round(a, 4) for a in (acc / n).tolist()], "val_blocks": int(n)}
+        return {
+            "val_loss": loss / n,
+            "val_tau_est": 1.0 + accepted / n,
+            "val_acc": [round(a, 4) for a in (acc / n).tolist()],
+            "val_blocks": int(n),
+        }

@@ -1,0 +1,56 @@
+"""What every `dflash-trt` subcommand shares: the one-line error wrapper, the comma-separated list
+options and the help texts of options that several commands take.
+
+Boundary: click glue only, no library imports. The top-level command (cli.py) and the subcommand
+modules it registers (train/cli.py, deploy/cli.py, ...) both import this module; it imports
+neither, so a subcommand module imports cleanly on its own.
+
+Errors the user can act on (DFlashError) print one line and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from dflash_trt.errors import ConfigError, DFlashError
+
+DEVICE_HELP = "auto (the CUDA GPU where PyTorch sees one, else the CPU) | cpu | cuda | cuda:N"
+DRAFT_CUTOFF_HELP = (
+    "Verify only the leading drafts whose running product of drafter probabilities is at least "
+    "this (0: every draft). Output is unchanged; on a CPU, where verify cost grows with its "
+    "width, it skips drafts that would be rejected anyway."
+)
+
+
+def friendly_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DFlashError as e:
+            click.secho(f"error: {e}", fg="red", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def parse_ints(value: str | None, flag: str) -> list[int]:
+    """A comma-separated integer option ("4,8,16") -> [4, 8, 16]; [] when not given."""
+    return _parse_list(value, flag, int, "integers, e.g. 4,8,16")
+
+
+def parse_floats(value: str | None, flag: str) -> list[float]:
+    """A comma-separated number option ("0,0.1") -> [0.0, 0.1]; [] when not given."""
+    return _parse_list(value, flag, float, "numbers, e.g. 0,0.1,0.3")
+
+
+def _parse_list(value, flag, kind, example):
+    if not value:
+        return []
+    try:
+        return [kind(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected comma-separated {example}") from None
