@@ -12,7 +12,7 @@ import json
 import click
 
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
-from dflash_trt.cli_shared import DEVICE_HELP, DRAFT_CUTOFF_HELP, friendly_errors
+from dflash_trt.cli_shared import DRAFT_CUTOFF_HELP, dtype_device_options, friendly_errors
 from dflash_trt.config import SamplingParams, field_help
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
@@ -73,10 +73,7 @@ def models_list():
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--block-size", default=None, type=int, help="Draft block size (default: the drafter's).")
 @click.option("--seed", default=None, type=int)
-@click.option(
-    "--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16"
-)
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@dtype_device_options("auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
 @click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
 @click.option(
     "--kernels",

@@ -1,5 +1,5 @@
 """What every `dflash-trt` subcommand shares: the one-line error wrapper, the comma-separated list
-options and the help texts of options that several commands take.
+options, and the options (and help texts of options) that several commands take.
 
 Boundary: click glue only, no library imports. The top-level command (cli.py) and the subcommand
 modules it registers (train/cli.py, deploy/cli.py, ...) both import this module; it imports
@@ -23,6 +23,27 @@ DRAFT_CUTOFF_HELP = (
     "this (0: every draft). Output is unchanged; on a CPU, where verify cost grows with its "
     "width, it skips drafts that would be rejected anyway."
 )
+
+
+def stack(*decorators):
+    """Several decorators as one, applied as if written one above the other in this order (so click
+    lists the options in it)."""
+
+    def apply(fn):
+        for d in reversed(decorators):
+            fn = d(fn)
+        return fn
+
+    return apply
+
+
+def dtype_device_options(dtype_help: str):
+    """--dtype (default auto; dtype_help says what auto picks in this command) then --device: the pair
+    every command that loads a model takes."""
+    return stack(
+        click.option("--dtype", default="auto", show_default=True, help=dtype_help),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
+    )
 
 
 def friendly_errors(fn):

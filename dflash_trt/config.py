@@ -103,16 +103,7 @@ class DrafterConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "num_target_layers",
-        ):
+        for name in drafter_fields.SIZES:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.block_size < 2:

@@ -43,8 +43,9 @@ DFLASH_KEYS = (
 HARMLESS_AT_DEFAULT = {"projector_type": None, "pure_draft_prefix_len": 0, "shift_label": False}
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
-# top-level keys consumed here (everything else is kept in DrafterConfig.extra and written back)
-CONSUMED = {
+# top-level sizes, each a positive integer (DrafterConfig checks them); read() requires them all
+# but the two that have Qwen3Config defaults (_DEFAULTED_SIZES)
+SIZES = (
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
@@ -52,6 +53,13 @@ CONSUMED = {
     "num_key_value_heads",
     "head_dim",
     "vocab_size",
+    "num_target_layers",
+)
+_DEFAULTED_SIZES = ("num_key_value_heads", "head_dim")
+
+# top-level keys consumed here (everything else is kept in DrafterConfig.extra and written back)
+CONSUMED = {
+    *SIZES,
     "rms_norm_eps",
     "rope_theta",
     "rope_scaling",
@@ -59,7 +67,6 @@ CONSUMED = {
     "max_position_embeddings",
     "hidden_act",
     "attention_bias",
-    "num_target_layers",
     "dflash_config",
     "architectures",
     "model_type",
@@ -175,18 +182,7 @@ def read(d: dict) -> dict[str, Any]:
     def dflash(name, default=None):  # the reference's precedence: dflash_config, top level, default
         return dc.get(name, d.get(name, default))
 
-    missing = [
-        k
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-            "num_target_layers",
-        )
-        if d.get(k) is None
-    ]
+    missing = [k for k in SIZES if k not in _DEFAULTED_SIZES and d.get(k) is None]
     if dflash("mask_token_id") is None:
         missing.append("dflash_config.mask_token_id")
     if missing:

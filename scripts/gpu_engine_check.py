@@ -13,6 +13,18 @@ import time
 import torch
 
 
+def _random_qwen3(dev, dtype, **shape):
+    """A TargetModel over a random HF Qwen3 of this shape (seed 0, no eos token), on `dev` in `dtype`."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_trt.modeling.target import TargetModel
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen3Config(**shape)
+    hf_cfg.eos_token_id = None
+    return TargetModel(AutoModelForCausalLM.from_config(hf_cfg).to(dev, dtype).eval())
+
+
 def engine_parity(dev) -> dict:
     """generate() with kernels='triton' emits exactly kernels='torch''s tokens (tiny random Qwen3)."""
     try:
@@ -21,15 +33,13 @@ def engine_parity(dev) -> dict:
         return {"skipped": "transformers is not installed"}
     import dataclasses
 
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from dflash_trt.config import DrafterConfig, SamplingParams
     from dflash_trt.decoding.loop import generate, generate_baseline
     from dflash_trt.modeling.drafter import DFlashDrafter
-    from dflash_trt.modeling.target import TargetModel
 
-    torch.manual_seed(0)
-    hf_cfg = Qwen3Config(
+    target = _random_qwen3(
+        dev,
+        torch.float32,
         hidden_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -39,8 +49,6 @@ def engine_parity(dev) -> dict:
         vocab_size=256,
         max_position_embeddings=512,
     )
-    hf_cfg.eos_token_id = None
-    target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).float().eval().to(dev))
     cfg = DrafterConfig.for_target(target.config, num_layers=2, block_size=8)
     cfg = dataclasses.replace(cfg, head_dim=64)  # the kernels need a power of two >= 32
     torch.manual_seed(1)
@@ -66,15 +74,13 @@ def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
     drafter: wall time per verify step of the eager PyTorch path, the Triton kernels, and the
     kernels replayed from a CUDA graph, tokens checked identical. Random weights accept ~nothing
     (tau ~1), so this is the loop's cost per step, not a speedup; the target forward is eager."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from dflash_trt.config import DrafterConfig, SamplingParams
     from dflash_trt.decoding.loop import generate, generate_baseline
     from dflash_trt.modeling.drafter import DFlashDrafter
-    from dflash_trt.modeling.target import TargetModel
 
-    torch.manual_seed(0)
-    hf_cfg = Qwen3Config(
+    target = _random_qwen3(
+        dev,
+        torch.bfloat16,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=28,
@@ -85,8 +91,6 @@ def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
         max_position_embeddings=4096,
         tie_word_embeddings=True,
     )
-    hf_cfg.eos_token_id = None
-    target = TargetModel(AutoModelForCausalLM.from_config(hf_cfg).to(dev, torch.bfloat16).eval())
     drafter = DFlashDrafter(DrafterConfig.for_target(target.config, num_layers=5, block_size=16)).bind(target).eval()
     modes = {
         "torch": dict(kernels="torch", cuda_graph="off"),
@@ -96,7 +100,7 @@ def loop_timing(dev, rows=(1, 8), prompt_len=512, new_tokens=64) -> list[dict]:
     out = []
     for R in rows:
         g = torch.Generator().manual_seed(R)
-        prompts = torch.randint(0, hf_cfg.vocab_size, (R, prompt_len), generator=g).tolist()
+        prompts = torch.randint(0, target.vocab_size, (R, prompt_len), generator=g).tolist()
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         base = generate_baseline(target, prompts, params)
         res, per_step = {}, {}

@@ -47,18 +47,26 @@ TINY = dict(
 )
 
 
-def tiny_hf(family: str = "qwen3", seed: int = 0, **over):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+def tiny_config(family: str = "qwen3", **over):
+    """The HF config of a tiny `family` model (TINY, head_dim 16 for Qwen3); `over` replaces or adds
+    fields (a reference drafter's config is a Qwen3 one with its own fields added)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     kw = {**TINY, **over}
     if family == "qwen3":
-        cfg = Qwen3Config(head_dim=16, **kw)
-    elif family == "qwen2":
-        cfg = Qwen2Config(**kw)
-    elif family == "llama":
-        cfg = LlamaConfig(**kw)
-    else:
-        raise ValueError(family)
+        return Qwen3Config(**{"head_dim": 16, **kw})
+    if family == "qwen2":
+        return Qwen2Config(**kw)
+    if family == "llama":
+        return LlamaConfig(**kw)
+    raise ValueError(family)
+
+
+def tiny_hf(family: str = "qwen3", seed: int = 0, **over):
+    """A tiny random HF causal LM (fp32, eval), weights seeded; no eos token."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, **over)
     cfg.eos_token_id = None  # random models: no accidental early stop
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -178,3 +186,11 @@ def tiny_model_dir(folder, family: str = "qwen3", seed: int = 0):
     hf.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def tiny_pair_dir(root, block_size: int = 4) -> TargetModel:
+    """root/target (tiny_model_dir) and root/drafter (a tiny_drafter for it, saved); the target, loaded back."""
+    tiny_model_dir(root / "target")
+    target = TargetModel.from_pretrained(root / "target", dtype=torch.float32)
+    tiny_drafter(target, block_size=block_size).save_pretrained(root / "drafter")
+    return target

@@ -12,11 +12,10 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import tiny_drafter, tiny_hf, tiny_model_dir
+from conftest import tiny_hf, tiny_pair_dir
 
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
-from dflash_trt.modeling.target import TargetModel
 
 BLOCK = 4
 
@@ -27,10 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("build")
-    tiny_model_dir(root / "target")
-    target = TargetModel.from_pretrained(root / "target", dtype=torch.float32)
-    tiny_drafter(target, block_size=BLOCK).save_pretrained(root / "drafter")
-    return root, target
+    return root, tiny_pair_dir(root, block_size=BLOCK)
 
 
 def write_yaml(path: Path, **fields) -> Path:

@@ -27,26 +27,25 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def test_generate_json_matches_baseline(pair):
+def generate(pair, *args):
+    """`generate` with the tiny target and drafter."""
     root, target = pair
-    r = run(
-        "generate",
-        "--target",
-        target,
-        "--drafter",
-        root / "drafter",
-        "--prompt",
-        "def add",
-        "--max-new-tokens",
-        12,
-        "--baseline",
-        "--json",
-        "--dtype",
-        "float32",
+    return run("generate", "--target", target, "--drafter", root / "drafter", *args)
+
+
+def generate_vs_baseline(pair, *extra) -> dict:
+    """`generate --baseline --json` (fp32, 12 tokens of "def add"): its JSON, checked identical to the target alone."""
+    r = generate(
+        pair, "--prompt", "def add", "--max-new-tokens", 12, "--baseline", "--json", "--dtype", "float32", *extra
     )
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["identical_to_baseline"] is True
+    return res
+
+
+def test_generate_json_matches_baseline(pair):
+    res = generate_vs_baseline(pair)
     assert res["stats"]["num_output_tokens"] == len(res["tokens"]) <= 12
     assert res["speedup"] > 0
     s = res["stats"]  # tau = tokens per verify step, bonus included, from the counts reported beside it
@@ -57,49 +56,13 @@ def test_generate_json_matches_baseline(pair):
 
 
 def test_generate_with_draft_cutoff_matches_baseline(pair):
-    root, target = pair
-    r = run(
-        "generate",
-        "--target",
-        target,
-        "--drafter",
-        root / "drafter",
-        "--prompt",
-        "def add",
-        "--max-new-tokens",
-        12,
-        "--baseline",
-        "--json",
-        "--dtype",
-        "float32",
-        "--draft-cutoff",
-        0.5,
-    )
-    assert r.exit_code == 0, r.output
-    res = json.loads(r.stdout)
-    assert res["identical_to_baseline"] is True
+    res = generate_vs_baseline(pair, "--draft-cutoff", 0.5)
     # an untrained drafter is never this sure: every step verifies the last token alone
     assert res["stats"]["num_draft_tokens"] == 0 and res["stats"]["tau"] == 1.0
 
 
 def test_generate_text_output_and_stats(pair):
-    root, target = pair
-    r = run(
-        "generate",
-        "--target",
-        target,
-        "--drafter",
-        root / "drafter",
-        "--prompt",
-        "hello",
-        "--no-chat",
-        "--max-new-tokens",
-        8,
-        "--temperature",
-        0.7,
-        "--seed",
-        3,
-    )
+    r = generate(pair, "--prompt", "hello", "--no-chat", "--max-new-tokens", 8, "--temperature", 0.7, "--seed", 3)
     assert r.exit_code == 0, r.output
     assert "acceptance length tau" in r.output and "drafts verified" in r.output and "per step (of 3)" in r.output
 
@@ -121,8 +84,7 @@ def test_no_drafter_explains_how_to_get_one(pair):
     ],
 )
 def test_bad_flags_one_line_errors(pair, args, needle):
-    root, target = pair
-    r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "hi", *args)
+    r = generate(pair, "--prompt", "hi", *args)
     assert r.exit_code == 2 and needle in r.output, r.output
 
 
@@ -148,8 +110,7 @@ def test_incompatible_drafter(pair, tmp_path):
 
 
 def test_prompt_longer_than_context(pair, tmp_path):
-    root, target = pair
-    r = run("generate", "--target", target, "--drafter", root / "drafter", "--prompt", "word " * 600, "--no-chat")
+    r = generate(pair, "--prompt", "word " * 600, "--no-chat")
     assert r.exit_code == 2 and "context" in r.output and "max_seq_len" in r.output, r.output
 
 

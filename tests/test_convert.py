@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import tiny_hf
 from safetensors.torch import load_file
 
 from dflash_trt.deploy.convert import convert_drafter, convert_target, merge_ranks
@@ -15,29 +16,7 @@ from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
 from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict
 from dflash_trt.errors import ConfigError
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
 BF16 = torch.bfloat16
-
-
-def tiny_hf(family: str, **over):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    kw = {**TINY, **over}
-    cfg = {
-        "qwen3": lambda: Qwen3Config(head_dim=16, **kw),
-        "qwen2": lambda: Qwen2Config(**kw),
-        "llama": lambda: LlamaConfig(**kw),
-    }[family]()
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).float().eval()
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import tiny_hf
 
 from dflash_trt.deploy import formats as F
 from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint
@@ -20,22 +21,10 @@ from dflash_trt.deploy.quantize import (
 )
 from dflash_trt.errors import ConfigError
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=256,
-)
-
 
 @pytest.fixture(scope="module")
 def tiny_qwen3():
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(Qwen3Config(head_dim=16, **TINY)).float().eval()
+    return tiny_hf("qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,8 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_hf
+from conftest import tiny_config, tiny_hf
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.engine import SpecEngine
@@ -39,16 +38,6 @@ pytestmark = pytest.mark.reference
 
 L = 4  # target layers: taps can include the last one (L-1), read after the final norm
 MASK = 255
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=512,
-    num_target_layers=L,
-)
 # name: (target family, reference config fields, config.json keys deleted after the reference saves)
 VARIANTS = {
     "plain": (
@@ -110,7 +99,7 @@ def ref_checkpoint(folder, variant: str, seed: int = 0):
     drafts differ between positions."""
     _, fields, strip = VARIANTS[variant]
     torch.manual_seed(seed)
-    model = ref.DFlashDraftModel(Qwen3Config(**SHAPE, **fields)).float()
+    model = ref.DFlashDraftModel(tiny_config("qwen3", num_target_layers=L, **fields)).float()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
@@ -288,26 +277,17 @@ def _edit(folder, **changes):
 
 
 def test_dflash2_checkpoint_is_refused(tmp_path):
-    dc = {
-        "mask_token_id": MASK,
-        "target_layer_ids": [1, 3],
-        "conv_kernel_size": 2,
-        "conv_group_size": 16,
-        "selector_rank": 4,
-        "selector_top_k": 4,
-    }
-    ref.DFlash2DraftModel(Qwen3Config(**SHAPE, num_hidden_layers=1, block_size=4, dflash_config=dc)).save_pretrained(
-        tmp_path / "d2"
-    )
+    plain = {"mask_token_id": MASK, "target_layer_ids": [1, 3]}
+    dc = {**plain, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 4}
+    cfg = tiny_config("qwen3", num_target_layers=L, num_hidden_layers=1, block_size=4, dflash_config=dc)
+    ref.DFlash2DraftModel(cfg).save_pretrained(tmp_path / "d2")
     with pytest.raises(CheckpointError, match="DFlash 2 drafters .* not supported yet") as e:
         DFlashDrafter.from_pretrained(tmp_path / "d2")
     assert "\n" not in str(e.value)
     _edit(tmp_path / "d2", architectures=["DFlashDraftModel"])  # relabelled: its fields still give it away
     with pytest.raises(CheckpointError, match=r"dflash_config.conv_\w+: a DFlash 2 field"):
         DFlashDrafter.from_pretrained(tmp_path / "d2")
-    cfg = json.loads((tmp_path / "d2" / "config.json").read_text())
-    cfg["dflash_config"] = {"mask_token_id": MASK, "target_layer_ids": [1, 3]}
-    (tmp_path / "d2" / "config.json").write_text(json.dumps(cfg))  # and then its tensors
+    _edit(tmp_path / "d2", dflash_config=plain)  # and then its tensors
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['candidate_selector"):
         DFlashDrafter.from_pretrained(tmp_path / "d2")
 

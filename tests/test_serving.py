@@ -11,16 +11,14 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 pytest.importorskip("pytriton", reason="nvidia-pytriton not installed (pip install 'dflash-trt[serve]')")
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'dflash-trt[serve]')")
 
-from conftest import tiny_drafter, tiny_model_dir  # noqa: E402
+from conftest import tiny_pair_dir  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.decoding.loop import generate_baseline  # noqa: E402
-from dflash_trt.modeling.target import TargetModel  # noqa: E402
 from dflash_trt.serving.client import DFlashClient, ServingError  # noqa: E402
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo  # noqa: E402
 from dflash_trt.serving.server import ServerError, TritonServer  # noqa: E402
@@ -55,9 +53,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
-    tiny_model_dir(root / "target")
-    target = TargetModel.from_pretrained(root / "target", dtype=torch.float32)
-    tiny_drafter(target, block_size=BLOCK).save_pretrained(root / "drafter")
+    target = tiny_pair_dir(root, block_size=BLOCK)
     return root, target, TextCodec.from_dir(root / "target")
 
 

@@ -11,7 +11,7 @@ import click
 import torch
 
 from dflash_trt.bench.runner import BenchConfig, run_bench
-from dflash_trt.cli_shared import DEVICE_HELP, DRAFT_CUTOFF_HELP, friendly_errors, parse_ints
+from dflash_trt.cli_shared import DRAFT_CUTOFF_HELP, dtype_device_options, friendly_errors, parse_ints
 
 
 def _names(value: str) -> list[str]:
@@ -56,8 +56,7 @@ def _names(value: str) -> list[str]:
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
 @click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
-@click.option("--dtype", default="auto", show_default=True, help="auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@dtype_device_options("auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")
 @click.option("--warmup", default=1, show_default=True, type=int, help="Warm-up rounds (all methods) before timing.")
 @click.option(
     "--prompt-lookup-tokens",
@@ -78,34 +77,7 @@ def _names(value: str) -> list[str]:
 @click.option("--threads", default=None, type=int, help="torch intra-op threads (default: torch's).")
 @click.option("--quiet", is_flag=True, help="No per-prompt progress lines.")
 @friendly_errors
-def bench(
-    target,
-    drafter,
-    random_drafter,
-    assistant,
-    datasets,
-    num_prompts,
-    max_new_tokens,
-    max_prompt_tokens,
-    chat,
-    temperature,
-    seed,
-    methods,
-    block_size,
-    draft_cutoff,
-    out_dir,
-    dtype,
-    device,
-    warmup,
-    prompt_lookup_tokens,
-    triton_url,
-    sweep_block_sizes,
-    sweep_prompt_lengths,
-    sweep_concurrency,
-    plots,
-    threads,
-    quiet,
-):
+def bench(threads, quiet, datasets, methods, sweep_block_sizes, sweep_prompt_lengths, sweep_concurrency, **fields):
     """Benchmark DFlash against the target alone (ours and HF generate), HF assisted generation and
     HF prompt lookup decoding on the same prompts, interleaved per prompt; checks exactness.
 
@@ -114,30 +86,12 @@ def bench(
     if threads:
         torch.set_num_threads(threads)
     cfg = BenchConfig(
-        target=target,
-        drafter=drafter,
-        random_drafter=random_drafter,
-        assistant=assistant,
         datasets=list(datasets),
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        max_prompt_tokens=max_prompt_tokens,
-        chat=chat,
-        temperature=temperature,
-        seed=seed,
         methods=_names(methods),
-        block_size=block_size,
-        draft_cutoff=draft_cutoff,
-        out_dir=out_dir,
-        dtype=dtype,
-        device=device,
-        warmup=warmup,
-        prompt_lookup_tokens=prompt_lookup_tokens,
-        triton_url=triton_url,
         sweep_block_sizes=parse_ints(sweep_block_sizes, "--sweep-block-sizes"),
         sweep_prompt_lengths=parse_ints(sweep_prompt_lengths, "--sweep-prompt-lengths"),
         sweep_concurrency=parse_ints(sweep_concurrency, "--sweep-concurrency"),
-        plots=plots,
+        **fields,  # every other option is the BenchConfig field of its name, as given
     )
     run_bench(cfg, say=lambda msg: click.echo(msg, err=True), progress=not quiet)
 

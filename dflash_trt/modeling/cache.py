@@ -26,10 +26,13 @@ class KVCache:
         device: torch.device | str = "cpu",
     ):
         self.max_len = max_len
-        shape = (batch, num_kv_heads, max_len, head_dim)
+        self._allocate(num_layers, (batch, num_kv_heads, max_len, head_dim), dtype, device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [R] valid slots per row
+
+    def _allocate(self, num_layers: int, shape: tuple, dtype: torch.dtype, device) -> None:
+        """Zeroed K and V of `shape` [R, H_kv, S_max, D] per layer; fast_path.StackedKVCache stacks them."""
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [R] valid slots per row
 
     @property
     def batch(self) -> int:

@@ -76,20 +76,9 @@ def resolve(mode: str, device: torch.device | str) -> str:
 class StackedKVCache(KVCache):
     """KVCache whose per-layer K/V are views of one contiguous [L, R, H_kv, S_max, D] tensor each."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ):
-        self.max_len = max_len
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+    def _allocate(self, num_layers: int, shape: tuple, dtype: torch.dtype, device) -> None:
+        shape = (num_layers, *shape)  # [L, R, H_kv, S_max, D]: kv_inject writes every layer in one launch
         self._set(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
 
     def _set(self, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
         self.k_all, self.v_all = k_all.contiguous(), v_all.contiguous()

@@ -19,15 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from dflash_trt.errors import DFlashError
-
-STATS = (
-    "acceptance_rate",
-    "acceptance_length",
-    "total_accepted_draft_tokens",
-    "total_draft_tokens",
-    "num_input_tokens",
-    "num_output_tokens",
-)
+from dflash_trt.serving.protocol import STAT_OUTPUTS
 
 
 class ServingError(DFlashError):
@@ -105,7 +97,7 @@ def parse_result(result) -> dict:
         "text": (one("text_output") or b"").decode("utf-8"),
         "finish_reason": (one("finish_reason") or b"").decode("utf-8"),
     }
-    for k in STATS:
+    for k in STAT_OUTPUTS:
         v = one(k)
         out[k] = None if v is None else (float(v) if k.startswith("acceptance") else int(v))
     perf = one("perf_metrics")

@@ -41,18 +41,17 @@ TEXT_INPUTS = {
     "return_perf_metrics": ("TYPE_BOOL", False),
     "apply_chat_template": ("TYPE_BOOL", False),
 }
-# outputs of every text front door (one response per step when streaming, else one in all)
-TEXT_OUTPUTS = (
-    "text_output",
-    "finish_reason",
+# the acceptance statistics every text front door returns (acceptance_* FP32, the counts integers)
+STAT_OUTPUTS = (
     "acceptance_rate",
     "acceptance_length",
     "total_accepted_draft_tokens",
     "total_draft_tokens",
     "num_input_tokens",
     "num_output_tokens",
-    "perf_metrics",
 )
+# outputs of every text front door (one response per step when streaming, else one in all)
+TEXT_OUTPUTS = ("text_output", "finish_reason", *STAT_OUTPUTS, "perf_metrics")
 
 
 class RequestError(DFlashError):

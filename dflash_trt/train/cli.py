@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.api import load_target, load_tokenizer
-from dflash_trt.cli_shared import DEVICE_HELP, friendly_errors, parse_floats, parse_ints
+from dflash_trt.cli_shared import dtype_device_options, friendly_errors, parse_floats, parse_ints
 from dflash_trt.config import field_help, load_yaml_dataclass
 from dflash_trt.errors import DFlashError
 from dflash_trt.train.corpus import agreement, load_texts, score_corpus
@@ -45,6 +45,11 @@ def _options_from_dataclass(cls):
     return deco
 
 
+# the options both `data` commands take: they run the target in training precision
+_target_option = click.option("--target", required=True, help="Target model name or folder.")
+_DATA_DTYPE_HELP = "auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32"
+
+
 @click.group()
 def data():
     """Training data: the target regenerates answers to prompts (generate) or scores existing text (score)."""
@@ -63,7 +68,7 @@ def _check_data_destination(source: str, out: str, validation: bool) -> None:
 
 
 @data.command("generate")
-@click.option("--target", required=True, help="Target model name or folder.")
+@_target_option
 @click.option(
     "--prompts",
     "source",
@@ -81,13 +86,7 @@ def _check_data_destination(source: str, out: str, validation: bool) -> None:
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
-@click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32",
-)
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@dtype_device_options(_DATA_DTYPE_HELP)
 @friendly_errors
 def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, device, validation):
     _check_data_destination(source, out, validation)
@@ -100,7 +99,7 @@ def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, 
 
 
 @data.command("score")
-@click.option("--target", required=True, help="Target model name or folder.")
+@_target_option
 @click.option(
     "--text",
     "source",
@@ -112,13 +111,7 @@ def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, 
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per sequence (text window).")
 @click.option("--limit", type=int, default=None, help="Use at most this many windows.")
 @click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    help="auto: bf16 on GPUs and on CPUs with native bf16 GEMMs (AVX512-BF16/AMX), else fp32",
-)
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@dtype_device_options(_DATA_DTYPE_HELP)
 @friendly_errors
 def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
     """Teacher-forced data: the target scores existing text once (its greedy next token at every
@@ -161,13 +154,7 @@ def train_cmd(config_path, **overrides):
 @click.option("--limit", type=int, default=8, show_default=True)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
-@click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    help="auto: fp32 on CPU (greedy output must equal the baseline's), bf16 on GPU",
-)
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@dtype_device_options("auto: fp32 on CPU (greedy output must equal the baseline's), bf16 on GPU")
 @click.option(
     "--block-size",
     "block_sizes",
