@@ -254,8 +254,7 @@ def test_draft_vocab_training_saves_vocab(tmp_path):
 
 
 def test_offline_features_recomputed_when_data_changes(tmp_path):
-    from dflash_trt.train.features import target_taps
-    from dflash_trt.train.trainer import FeatureStore
+    from dflash_trt.train.features import FeatureStore, target_taps
 
     t = tiny_target("llama")
     a, b = [[1, 2, 3, 4, 5], [6, 7, 8]], [[9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -273,7 +272,7 @@ def test_offline_features_recomputed_when_data_changes(tmp_path):
 
 
 def test_offline_features_extended_when_data_grows(tmp_path, capsys):
-    from dflash_trt.train.trainer import FeatureStore
+    from dflash_trt.train.features import FeatureStore
 
     t = tiny_target("llama")
     a = [[1, 2, 3, 4, 5], [6, 7, 8]]

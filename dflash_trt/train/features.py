@@ -1,14 +1,22 @@
-"""Target features for training: the tapped hidden states of a batch of token sequences.
+"""Target features for training: the tapped hidden states of token sequences, computed or stored.
 
-Boundary: one target forward over right-padded sequences, returning the tapped layers' outputs
-(no LM head); what is tapped (distill.feature_layers) and how features are stored offline
-(trainer.FeatureStore) are decided by the callers. Shared by the trainer (online features, the tap
-scale), validation (held-out features) and corpus scoring (the target's greedy next tokens).
+Boundary: `target_taps` is one target forward over right-padded sequences returning the tapped
+layers' outputs (no LM head), shared by the trainer (online features, the tap scale), validation
+(held-out features) and corpus scoring. `FeatureStore` keeps them on disk for offline training,
+keyed by a fingerprint of the sequences, the tap layers and FEATURE_FORMAT. What is tapped
+(distill.feature_layers) is decided by the callers.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
 import torch
+from tqdm import tqdm
 
 
 @torch.no_grad()
@@ -21,3 +29,99 @@ def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.T
     ids = ids.to(target.device)
     no_logits = torch.zeros(len(seqs), 0, dtype=torch.long, device=target.device)  # the LM head is not needed
     return target.forward(ids, target.new_cache(len(seqs), S), tap_layers, logits_at=no_logits).taps
+
+
+# Bumped when the meaning of a stored feature changes, so that older stores are recomputed rather than
+# reused: 2 = a tap on the target's last layer is taken after its final norm (HF hidden_states[L], as
+# the reference drafters read it), where version 1 stored the pre-norm state.
+FEATURE_FORMAT = 2
+
+
+def _feature_salt(tap_layers: list[int]) -> list[int]:
+    return [-FEATURE_FORMAT, *tap_layers]  # negative: cannot collide with a plain list of layer ids
+
+
+class FeatureStore:
+    """Tapped target features of every sequence, bf16 on disk, memory-mapped (offline mode)."""
+
+    def __init__(self, folder: Path, lengths: list[int], width: int):
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.width = width
+        self.mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(int(self.offsets[-1]), width))
+
+    @staticmethod
+    def fingerprint(seqs: list[list[int]], salt: list[int]) -> str:
+        """sha256 of token sequences plus what else they were used with (the tap layers for features;
+        seed and batching for a training run): reusing features for other data or taps would
+        silently train on the wrong hidden states (the memmap only knows its row count)."""
+        h = hashlib.sha256(json.dumps(list(salt)).encode())
+        for s in seqs:
+            h.update(np.asarray(s, dtype=np.int64).tobytes() + b"|")
+        return h.hexdigest()
+
+    @staticmethod
+    def _marker(folder: Path) -> dict:
+        """The `complete` marker of a finished build ({} when absent or unreadable)."""
+        try:
+            prev = json.loads((folder / "complete").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return prev if isinstance(prev, dict) else {}
+
+    @staticmethod
+    def holds(folder: Path, seqs: list[list[int]], tap_layers: list[int]) -> bool:
+        """Whether `folder` holds the complete features of exactly these sequences and layers."""
+        return FeatureStore._marker(folder).get("fingerprint") == FeatureStore.fingerprint(
+            seqs, _feature_salt(tap_layers)
+        )
+
+    @staticmethod
+    def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
+        """Compute (or reuse) the features of `seqs`. A data folder that only grew at the end (more
+        prompts, `data generate` extending it) keeps the features of the sequences it had and computes
+        the new ones; anything else is recomputed from scratch."""
+        marker = folder / "complete"
+        fp = FeatureStore.fingerprint(seqs, _feature_salt(tap_layers))
+        width = len(tap_layers) * target.config.hidden_size
+        start = 0
+        if marker.is_file():
+            prev = FeatureStore._marker(folder)
+            if prev.get("fingerprint") == fp:
+                return
+            n = prev.get("num_seqs")
+            size_ok = (folder / "features.bin").is_file() and (folder / "features.bin").stat().st_size == prev.get(
+                "rows", -1
+            ) * width * 2
+            if (
+                isinstance(n, int)
+                and 0 < n < len(seqs)
+                and size_ok
+                and FeatureStore.fingerprint(seqs[:n], _feature_salt(tap_layers)) == prev["fingerprint"]
+            ):
+                start = n
+                print(f"{folder}: reusing the features of {n} sequences, computing {len(seqs) - n} new ones")
+            else:
+                print(f"{folder}: features were computed from other data or target layers; recomputing")
+            marker.unlink()  # an interrupted update recomputes everything next time
+        folder.mkdir(parents=True, exist_ok=True)
+        total = sum(map(len, seqs))
+        off = sum(map(len, seqs[:start]))
+        if start:
+            os.truncate(folder / "features.bin", total * width * 2)
+        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r+" if start else "w+", shape=(total, width))
+        for i in tqdm(range(start, len(seqs), batch_size), desc="precomputing target features"):
+            chunk = seqs[i : i + batch_size]
+            taps = target_taps(target, chunk, tap_layers)
+            for r, s in enumerate(chunk):
+                mm[off : off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                off += len(s)
+        mm.flush()
+        marker.write_text(json.dumps({"rows": total, "num_seqs": len(seqs), "fingerprint": fp}))
+
+    def get(self, idx: list[int], S: int) -> torch.Tensor:
+        out = torch.zeros(len(idx), S, self.width, dtype=torch.bfloat16)
+        for r, i in enumerate(idx):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            n = min(b - a, S)
+            out[r, :n] = torch.from_numpy(np.array(self.mm[a : a + n]).view(np.int16)).view(torch.bfloat16)
+        return out

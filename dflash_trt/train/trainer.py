@@ -1,8 +1,9 @@
 """Drafter training loop: TrainConfig (YAML + CLI overrides), features online or offline,
 AdamW with cosine schedule, resumable atomic checkpoints.
 
-Boundary: orchestration only; the objective is in objective.py, data formats in data.py, the
-target forward that taps features in features.py.
+Boundary: orchestration only; the objective is in objective.py, data formats in data.py, checkpoint
+save / resume in checkpoint.py, the target forward that taps features and the offline feature store
+in features.py.
 Determinism: the epoch order and every batch's anchors derive from (seed, index), never from a
 running RNG, so a run resumed from a checkpoint at step k reaches the same weights as one that
 never stopped.
@@ -15,27 +16,24 @@ Output folder:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from dflash_trt.api import load_target, native_bf16, resolve_device
-from dflash_trt.atomic import atomic_dir
 from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.train.checkpoint import check_resume, resume, save_checkpoint, trainer_state
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.distill import feature_layers, soft_labels, split_features
-from dflash_trt.train.features import target_taps
+from dflash_trt.train.features import FeatureStore, target_taps
 from dflash_trt.train.objective import (
     cosine_lr,
     default_gamma,
@@ -104,102 +102,6 @@ class TrainConfig:
             )
 
 
-# Bumped when the meaning of a stored feature changes, so that older stores are recomputed rather than
-# reused: 2 = a tap on the target's last layer is taken after its final norm (HF hidden_states[L], as
-# the reference drafters read it), where version 1 stored the pre-norm state.
-FEATURE_FORMAT = 2
-
-
-def _feature_salt(tap_layers: list[int]) -> list[int]:
-    return [-FEATURE_FORMAT, *tap_layers]  # negative: cannot collide with a plain list of layer ids
-
-
-class FeatureStore:
-    """Tapped target features of every sequence, bf16 on disk, memory-mapped (offline mode)."""
-
-    def __init__(self, folder: Path, lengths: list[int], width: int):
-        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self.width = width
-        self.mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(int(self.offsets[-1]), width))
-
-    @staticmethod
-    def fingerprint(seqs: list[list[int]], salt: list[int]) -> str:
-        """sha256 of token sequences plus what else they were used with (the tap layers for features;
-        seed and batching for a training run): reusing features for other data or taps would
-        silently train on the wrong hidden states (the memmap only knows its row count)."""
-        h = hashlib.sha256(json.dumps(list(salt)).encode())
-        for s in seqs:
-            h.update(np.asarray(s, dtype=np.int64).tobytes() + b"|")
-        return h.hexdigest()
-
-    @staticmethod
-    def _marker(folder: Path) -> dict:
-        """The `complete` marker of a finished build ({} when absent or unreadable)."""
-        try:
-            prev = json.loads((folder / "complete").read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
-        return prev if isinstance(prev, dict) else {}
-
-    @staticmethod
-    def holds(folder: Path, seqs: list[list[int]], tap_layers: list[int]) -> bool:
-        """Whether `folder` holds the complete features of exactly these sequences and layers."""
-        return FeatureStore._marker(folder).get("fingerprint") == FeatureStore.fingerprint(
-            seqs, _feature_salt(tap_layers)
-        )
-
-    @staticmethod
-    def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
-        """Compute (or reuse) the features of `seqs`. A data folder that only grew at the end (more
-        prompts, `data generate` extending it) keeps the features of the sequences it had and computes
-        the new ones; anything else is recomputed from scratch."""
-        marker = folder / "complete"
-        fp = FeatureStore.fingerprint(seqs, _feature_salt(tap_layers))
-        width = len(tap_layers) * target.config.hidden_size
-        start = 0
-        if marker.is_file():
-            prev = FeatureStore._marker(folder)
-            if prev.get("fingerprint") == fp:
-                return
-            n = prev.get("num_seqs")
-            size_ok = (folder / "features.bin").is_file() and (folder / "features.bin").stat().st_size == prev.get(
-                "rows", -1
-            ) * width * 2
-            if (
-                isinstance(n, int)
-                and 0 < n < len(seqs)
-                and size_ok
-                and FeatureStore.fingerprint(seqs[:n], _feature_salt(tap_layers)) == prev["fingerprint"]
-            ):
-                start = n
-                print(f"{folder}: reusing the features of {n} sequences, computing {len(seqs) - n} new ones")
-            else:
-                print(f"{folder}: features were computed from other data or target layers; recomputing")
-            marker.unlink()  # an interrupted update recomputes everything next time
-        folder.mkdir(parents=True, exist_ok=True)
-        total = sum(map(len, seqs))
-        off = sum(map(len, seqs[:start]))
-        if start:
-            os.truncate(folder / "features.bin", total * width * 2)
-        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r+" if start else "w+", shape=(total, width))
-        for i in tqdm(range(start, len(seqs), batch_size), desc="precomputing target features"):
-            chunk = seqs[i : i + batch_size]
-            taps = target_taps(target, chunk, tap_layers)
-            for r, s in enumerate(chunk):
-                mm[off : off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-                off += len(s)
-        mm.flush()
-        marker.write_text(json.dumps({"rows": total, "num_seqs": len(seqs), "fingerprint": fp}))
-
-    def get(self, idx: list[int], S: int) -> torch.Tensor:
-        out = torch.zeros(len(idx), S, self.width, dtype=torch.bfloat16)
-        for r, i in enumerate(idx):
-            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-            n = min(b - a, S)
-            out[r, :n] = torch.from_numpy(np.array(self.mm[a : a + n]).view(np.int16)).view(torch.bfloat16)
-        return out
-
-
 def _tap_scale(
     target, seqs: list[dict], tap_layers: list[int], store: FeatureStore | None, num: int = 32
 ) -> torch.Tensor:
@@ -230,49 +132,6 @@ def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
     return torch.tensor(sorted(top), dtype=torch.long)
 
 
-_SHAPE_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "block_size",
-    "target_layer_ids",
-    "mask_token_id",
-    "draft_vocab_size",
-)
-
-
-def _check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str, tap_scaling: bool) -> int | None:
-    """The checkpoint's draft vocabulary size, once resuming is known to be possible. A checkpoint of
-    another drafter shape or tap scaling is refused with the fix (its weights and optimizer moments
-    live in another space); one trained on other data or batching continues, but says so (the run
-    is then no longer bit-reproducible)."""
-    if state["config"].get("tap_scaling", False) != tap_scaling:
-        raise ConfigError(
-            f"tap_scaling={tap_scaling}: the checkpoint in {ckpt} was trained with "
-            f"tap_scaling={not tap_scaling}; keep that setting to resume, or train into a new --out"
-        )
-    old = DrafterConfig.from_json_dict(json.loads((ckpt / "config.json").read_text()))
-    differ = [
-        f"{f}: checkpoint {getattr(old, f)} vs now {getattr(dcfg, f)}"
-        for f in _SHAPE_FIELDS
-        if f != "draft_vocab_size" and getattr(old, f) != getattr(dcfg, f)
-    ]
-    if (old.draft_vocab_size is None) != (dcfg.draft_vocab_size is None):
-        differ.append(f"draft_vocab_size: checkpoint {old.draft_vocab_size} vs now {dcfg.draft_vocab_size}")
-    if differ:
-        raise ConfigError(
-            f"{ckpt} holds a drafter of another shape ({'; '.join(differ)}); "
-            f"train into a new --out, or delete {ckpt} to start over"
-        )
-    if state.get("data_fingerprint") not in (None, data_fp):
-        print(
-            f"{ckpt}: the data (or seed / batch size) changed since this checkpoint; continuing from step "
-            f"{state['step']} on the current data (delete the checkpoint to start over)"
-        )
-    return old.draft_vocab_size
-
-
 class _MetricsLog:
     """OUT/metrics.jsonl; on resume, lines from beyond the checkpoint's step are dropped (they are redone)."""
 
@@ -292,16 +151,6 @@ class _MetricsLog:
     def write(self, row: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-
-
-def _save_checkpoint(folder: Path, drafter: DFlashDrafter, state: dict) -> None:
-    """The drafter's files and trainer_state.pt, replacing `folder` as one unit (dflash_trt/atomic.py)."""
-    with atomic_dir(folder, tag="ckpt") as tmp:
-        drafter.save_pretrained(tmp / "d")
-        for f in (tmp / "d").iterdir():
-            f.rename(tmp / f.name)
-        (tmp / "d").rmdir()
-        torch.save(state, tmp / "trainer_state.pt")
 
 
 def _data_folders(cfg: TrainConfig) -> list[str]:
@@ -363,18 +212,6 @@ def _offline_features(
         layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
     FeatureStore.build(target, token_ids, layers, fdir, cfg.batch_size)
     return layers, FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)
-
-
-def _resume(ckpt: Path, state: dict | None, drafter: DFlashDrafter, opt, tap_scaling: bool) -> int:
-    """The step to start from: 0, or a checkpoint's, after loading its weights, draft vocabulary and
-    optimizer moments."""
-    if state is None:
-        return 0
-    drafter.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
-    if tap_scaling:  # the trained parameter itself: unfolding the saved weight would round
-        drafter.fc.weight.data.copy_(state["fc_weight"])
-    opt.load_state_dict(state["optimizer"])
-    return int(state["step"])
 
 
 def _micro_batch_indices(num_seqs: int, batch_size: int, seed: int, i: int, per_epoch: int) -> list[int]:
@@ -454,16 +291,6 @@ def _log_validation(bar, metrics: _MetricsLog, step: int, v: dict) -> None:
     )
 
 
-def _trainer_state(cfg: TrainConfig, drafter: DFlashDrafter, opt, step: int, data_fp: str) -> dict:
-    """What a checkpoint needs beside the drafter's files to resume exactly (see _resume)."""
-    extra = (
-        {"tap_scale": drafter.fc.scale.cpu(), "fc_weight": drafter.fc.weight.detach().cpu().clone()}
-        if cfg.tap_scaling
-        else {}
-    )
-    return {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg), "data_fingerprint": data_fp, **extra}
-
-
 def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
     folders = _data_folders(cfg)
@@ -479,7 +306,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     state = None
     if (ckpt / "trainer_state.pt").is_file():
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        dcfg.draft_vocab_size = _check_resume(ckpt, state, dcfg, data_fp, cfg.tap_scaling)  # its head is kept
+        dcfg.draft_vocab_size = check_resume(ckpt, state, dcfg, data_fp, cfg.tap_scaling)  # its head is kept
     store = None
     layers = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, cfg.kd_weight > 0)
     if cfg.features == "offline":
@@ -496,7 +323,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)
     total = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
     stop_at = min(total, cfg.max_steps or total)
-    step = _resume(ckpt, state, drafter, opt, cfg.tap_scaling)
+    step = resume(ckpt, state, drafter, opt, cfg.tap_scaling)
     validator = None
     if cfg.val_data:
         validator = Validator(
@@ -527,7 +354,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
         if step % cfg.save_every == 0 or step == stop_at:
             if validator is not None:
                 _log_validation(bar, metrics, step, validator(drafter))
-            _save_checkpoint(ckpt, drafter, _trainer_state(cfg, drafter, opt, step, data_fp))
+            save_checkpoint(ckpt, drafter, trainer_state(cfg, drafter, opt, step, data_fp))
     bar.close()
     final = out / "drafter"
     DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)
