@@ -24,7 +24,8 @@ from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import ConfigError
 from dflash_trt.hub.drafters import bundled_drafter_for
 from dflash_trt.hub.models import models_home
-from dflash_trt.train.data import generate_data, stdlib_prompts
+from dflash_trt.train.data import generate_data
+from dflash_trt.train.prompts import stdlib_prompts
 from dflash_trt.train.trainer import TrainConfig, train
 
 

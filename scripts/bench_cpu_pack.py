@@ -25,7 +25,7 @@ from dflash_trt.contention import CpuWatch
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.modeling.cpu_pack import pack_target, pack_unavailable_reason
-from dflash_trt.train.data import load_prompts
+from dflash_trt.train.prompts import load_prompts
 
 
 def main() -> None:

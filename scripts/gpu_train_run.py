@@ -192,7 +192,8 @@ def run(a) -> None:
 
     from dflash_trt.api import load_target, load_tokenizer
     from dflash_trt.train.corpus import load_texts, score_corpus
-    from dflash_trt.train.data import generate_data, load_prompts, read_sequences
+    from dflash_trt.train.data import generate_data, read_sequences
+    from dflash_trt.train.prompts import load_prompts
     from dflash_trt.train.trainer import TrainConfig, train
     from dflash_trt.train.validate import mark_validation
 

@@ -12,7 +12,7 @@ import argparse
 import json
 
 from dflash_trt.bench.datasets import spread
-from dflash_trt.train.data import load_prompts
+from dflash_trt.train.prompts import load_prompts
 
 
 def main() -> None:

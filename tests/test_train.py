@@ -11,7 +11,8 @@ from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.drafter import DFlashDrafter
-from dflash_trt.train.data import load_prompts, read_sequences
+from dflash_trt.train.data import read_sequences
+from dflash_trt.train.prompts import load_prompts
 from dflash_trt.train.trainer import TrainConfig, train
 
 

@@ -17,7 +17,7 @@ from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.loop import generate
 from dflash_trt.deploy.files import write_json
 from dflash_trt.errors import ConfigError
-from dflash_trt.train.data import load_prompts
+from dflash_trt.train.prompts import load_prompts
 
 # Held-out prompts: written for this report, never used for calibration (calibration uses stdlib
 # docstring prompts) or training. Mixed code / prose / arithmetic, short enough for CPU runs.

@@ -41,7 +41,7 @@ from dflash_trt.deploy.quant_eval import evaluate_quantized
 from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
 from dflash_trt.serving.text import read_chat_template
-from dflash_trt.train.data import load_prompts
+from dflash_trt.train.prompts import load_prompts
 
 # files of a model folder that are not weights: copied next to quantised weights so the folder
 # stays a complete Hugging Face folder (tokenizer, chat template, generation defaults)

@@ -14,8 +14,9 @@ from dflash_trt.cli_shared import dtype_device_options, friendly_errors, parse_f
 from dflash_trt.config import field_help, load_yaml_dataclass
 from dflash_trt.errors import DFlashError
 from dflash_trt.train.corpus import agreement, load_texts, score_corpus
-from dflash_trt.train.data import HELD_OUT, generate_data, load_prompts, read_sequences
+from dflash_trt.train.data import generate_data, read_sequences
 from dflash_trt.train.evaluate import evaluate, print_eval
+from dflash_trt.train.prompts import HELD_OUT, load_prompts
 from dflash_trt.train.trainer import TrainConfig, train
 from dflash_trt.train.validate import is_validation, mark_validation
 

@@ -28,8 +28,9 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.train.data import MORE_STDLIB_MODULES, STDLIB_MODULES, fill_shards
+from dflash_trt.train.data import fill_shards
 from dflash_trt.train.features import target_taps
+from dflash_trt.train.prompts import MORE_STDLIB_MODULES, STDLIB_MODULES
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 MIN_CHUNK = 64  # shorter tails of a text are dropped: too little context to anchor blocks in

@@ -26,7 +26,7 @@ from dflash_trt.decoding.draft_length import check_cutoff
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import DFlashError
-from dflash_trt.train.data import load_prompts
+from dflash_trt.train.prompts import load_prompts
 
 
 def evaluate(
