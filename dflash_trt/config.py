@@ -2,8 +2,9 @@
 
 Each config is a dataclass validated in __post_init__; errors name the field and the fix.
 DrafterConfig reads and writes config.json exactly in the layout of the published z-lab
-DFlash checkpoints (architectures ["DFlashDraftModel"], block_size, dflash_config
-{mask_token_id, target_layer_ids}, num_target_layers, Qwen3-style shape fields). Which fields
+DFlash checkpoints (architectures ["DFlashDraftModel"] or ["DFlash2DraftModel"], naming the
+drafter family in dflash_trt/families; block_size, dflash_config {mask_token_id, target_layer_ids,
+the family's own fields}, num_target_layers, Qwen3-style shape fields). Which fields
 are read, with which precedence and defaults, and which are refused: drafter_fields.py. Fields
 the reference ignores too are kept in `extra` so that a round trip loses nothing.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from dflash_trt import drafter_fields
+from dflash_trt import drafter_fields, families
 from dflash_trt.drafter_fields import ARCHITECTURE, FULL, LAYER_TYPES, SLIDING
 from dflash_trt.errors import CheckpointError, ConfigError
 
@@ -99,7 +100,8 @@ class DrafterConfig:
     is_causal: bool | None = None  # every layer causal (True) or not (False); None: sliding layers only
     layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None = all full
     sliding_window: int | None = None  # window of sliding layers (None: no window, a sliding layer is causal)
-    architectures: list[str] | None = field(default_factory=lambda: [ARCHITECTURE])  # kept as read
+    architectures: list[str] | None = field(default_factory=lambda: [ARCHITECTURE])  # kept as read; names the family
+    family_fields: dict[str, Any] = field(default_factory=dict)  # the family's own dflash_config fields
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -165,8 +167,21 @@ class DrafterConfig:
             )
         if self.architectures is not None:
             self.architectures = list(self.architectures)
-            if self.architectures != [ARCHITECTURE]:
-                raise ConfigError(f'architectures={self.architectures}: only ["{ARCHITECTURE}"] is supported')
+            if len(self.architectures) != 1 or self.architectures[0] not in families.FAMILIES:
+                raise ConfigError(
+                    f"architectures={self.architectures}: expected one of "
+                    f"{', '.join(repr([a]) for a in families.FAMILIES)}"
+                )
+        self.family_fields = dict(self.family_fields)
+        unknown = sorted(set(self.family_fields) - set(self.family.CONFIG_KEYS))
+        if unknown:
+            raise ConfigError(f"family_fields {unknown}: not fields of a {self.family.LABEL} drafter")
+        self.family.check_fields(self.family_fields, self)
+
+    @property
+    def family(self):
+        """The drafter family module (dflash_trt/families) that `architectures` names."""
+        return families.for_architectures(self.architectures)
 
     def layer_attention(self, i: int) -> tuple[bool, int | None]:
         """(causal, window) of drafter layer i, as the reference resolves them: a sliding layer is
@@ -192,6 +207,8 @@ class DrafterConfig:
             )
             if getattr(self, name) != plain
         ]
+        if not self.family.KERNELS:
+            out.append(f"architectures {self.architectures} ({self.family.LABEL})")
         return out + ([] if self.plain_attention else ["is_causal / layer_types / sliding_window"])
 
     @property

@@ -10,9 +10,11 @@ The reference is the authors' `dflash` package (DFlashDraftModel over a transfor
   * Qwen3 shape and attention fields: top level only, Qwen3Config defaults (head_dim 128,
     rope_theta 1e4, sliding_window honoured only with use_sliding_window, layer_types derived
     from max_window_layers when absent, is_causal from the layer type when absent).
-  * `architectures` is kept and written back as read; only DFlashDraftModel is implemented.
+  * `architectures` is kept and written back as read; it names the drafter family
+    (dflash_trt/families: DFlashDraftModel, DFlash2DraftModel), whose own fields (DFlash 2:
+    conv_* / selector_*) are read with the DFlash precedence into DrafterConfig.family_fields.
   * Unknown `dflash_config` keys are refused: the reference ignores them, but they belong to
-    other DFlash variants (SpecForge projector heads, DFlash 2) whose math they change. Unknown
+    other DFlash variants (SpecForge projector heads, another family) whose math they change. Unknown
     top-level keys are Qwen3/transformers bookkeeping the reference ignores too; they are kept.
 
 Nothing here is silently dropped: a field is implemented, kept for the round trip, or refused
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_trt import families
 from dflash_trt.errors import CheckpointError
 
-ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE = families.DEFAULT.ARCHITECTURE  # a new drafter's, and a config.json's without `architectures`
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
@@ -41,7 +44,6 @@ DFLASH_KEYS = (
 )
 # dflash_config keys SpecForge writes; harmless at these values (kept), refused at any other
 HARMLESS_AT_DEFAULT = {"projector_type": None, "pure_draft_prefix_len": 0, "shift_label": False}
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # top-level sizes, each a positive integer (DrafterConfig checks them); read() requires them all
 # but the two that have Qwen3Config defaults (_DEFAULTED_SIZES)
@@ -102,27 +104,17 @@ def _check_architectures(archs) -> list[str] | None:
         return None
     if not isinstance(archs, list) or not archs:
         raise CheckpointError(f'drafter config.json architectures={archs!r}: expected ["{ARCHITECTURE}"]')
-    if "DFlash2DraftModel" in archs:
-        raise CheckpointError(
-            'drafter config.json architectures=["DFlash2DraftModel"]: DFlash 2 drafters '
-            "(grouped convolutions, candidate selector) are not supported yet; use a DFlash "
-            f"({ARCHITECTURE}) checkpoint"
-        )
-    unknown = [a for a in archs if a != ARCHITECTURE]
-    if unknown:
-        raise CheckpointError(
-            f"drafter config.json architectures {unknown}: not a drafter dflash-trt "
-            f"implements (supported: {ARCHITECTURE})"
-        )
+    families.for_architectures(archs)  # refuses names no family implements
     return list(archs)
 
 
-def _check_dflash_keys(dc: dict) -> dict:
+def _check_dflash_keys(dc: dict, family) -> dict:
     """The dflash_config keys kept for the round trip; refuses the ones that change the math."""
     kept = {}
     for k, v in dc.items():
-        if k in DFLASH_KEYS:
+        if k in DFLASH_KEYS or k in family.CONFIG_KEYS:
             continue
+        owner = families.owner_of(k)
         if k in HARMLESS_AT_DEFAULT and v == HARMLESS_AT_DEFAULT[k]:
             kept[k] = v
         elif k in HARMLESS_AT_DEFAULT:
@@ -131,9 +123,10 @@ def _check_dflash_keys(dc: dict) -> dict:
                 f"implemented (only {HARMLESS_AT_DEFAULT[k]!r}); this drafter would "
                 f"draft wrongly, so it is refused"
             )
-        elif k in DFLASH2_KEYS:
+        elif owner is not None:
             raise CheckpointError(
-                f"drafter config.json dflash_config.{k}: a DFlash 2 field, and DFlash 2 " f"is not supported yet"
+                f"drafter config.json dflash_config.{k}: a {owner.LABEL} field, but architectures names a "
+                f"{family.LABEL} drafter ({family.ARCHITECTURE}); fix architectures or drop the field"
             )
         else:
             raise CheckpointError(
@@ -174,13 +167,22 @@ def _attention_layout(d: dict, n_layers: int) -> tuple[list[str] | None, int | N
 def read(d: dict) -> dict[str, Any]:
     """config.json dict -> DrafterConfig keyword arguments (CheckpointError on refusal)."""
     archs = _check_architectures(d.get("architectures"))
+    family = families.for_architectures(archs)
     dc = d.get("dflash_config") or {}
     if not isinstance(dc, dict):
         raise CheckpointError(f"drafter config.json dflash_config={dc!r}: expected a mapping")
-    kept_dc = _check_dflash_keys(dc)
+    kept_dc = _check_dflash_keys(dc, family)
 
     def dflash(name, default=None):  # the reference's precedence: dflash_config, top level, default
         return dc.get(name, d.get(name, default))
+
+    family_fields = {k: dflash(k) for k in family.CONFIG_KEYS}
+    absent = [k for k, v in family_fields.items() if v is None]
+    if absent:
+        raise CheckpointError(
+            f"drafter config.json lacks dflash_config.{', dflash_config.'.join(absent)}, which a "
+            f"{family.LABEL} drafter ({family.ARCHITECTURE}) needs"
+        )
 
     missing = [k for k in SIZES if k not in _DEFAULTED_SIZES and d.get(k) is None]
     if dflash("mask_token_id") is None:
@@ -194,7 +196,7 @@ def read(d: dict) -> dict[str, Any]:
     rope_theta, rope_scaling = _rope(d)
     layer_types, window = _attention_layout(d, n_layers)
     softcap = dflash("final_logit_softcapping")
-    extra = {k: v for k, v in d.items() if k not in CONSUMED}
+    extra = {k: v for k, v in d.items() if k not in CONSUMED and k not in family.CONFIG_KEYS}
     if kept_dc:
         extra["dflash_config"] = kept_dc
     return dict(
@@ -224,6 +226,7 @@ def read(d: dict) -> dict[str, Any]:
         layer_types=layer_types,
         sliding_window=window,
         architectures=archs,
+        family_fields=family_fields,
         extra=extra,
     )
 
@@ -236,6 +239,7 @@ def write(cfg, portable: bool = False) -> dict:
         **d.get("dflash_config", {}),
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": list(cfg.target_layer_ids),
+        **cfg.family_fields,
     }
     if cfg.draft_vocab_size is not None and not portable:
         dc["draft_vocab_size"] = cfg.draft_vocab_size

@@ -3,7 +3,8 @@
 Boundary: owns per-request state (sampling params, RNG, outputs, statistics) and the batch's
 caches; requests join (`add_request`) and leave (finish / `cancel`) between steps, so it serves
 both `generate()` and the Triton orchestrator's continuous batching. Model math lives in
-modeling/, acceptance math in decoding/verify.py; the statistics type, the stop/length rule and
+modeling/, how a drafter family turns its block into drafts and q in families/ (propose),
+acceptance math in decoding/verify.py; the statistics type, the stop/length rule and
 the prompt check it applies are decoding/stats.py, stopping.py and prompt.py.
 
 Per row, between steps: the target cache holds every verified token except `last` (the token
@@ -26,6 +27,7 @@ from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule
 from dflash_trt.decoding.verify import Verdict, sample_tokens, warp_logits
 from dflash_trt.errors import DFlashError
+from dflash_trt.families import dflash
 from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
 
@@ -77,6 +79,12 @@ class SpecEngine:
         self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"
         self.kernels = kernels
         self.draft_cutoff = check_cutoff(draft_cutoff)
+        self.family = getattr(drafter, "family", dflash)  # test doubles draft as plain DFlash
+        if self.draft_cutoff > 0 and self.family is not dflash:
+            raise DFlashError(
+                f"draft_cutoff={draft_cutoff}: not supported for {self.family.LABEL} drafters (their drafts "
+                f"come from the candidate selector's path); use draft_cutoff=0"
+            )
         self.graphs = self._graphs(cuda_graph, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
@@ -196,41 +204,21 @@ class SpecEngine:
         self._drop_finished()
 
     def propose(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Inject last round's target features, draft a block.
-        -> block [R, B], q [R, B-1, V] or None (all rows greedy), drafts to verify per row [R]."""
+        """Inject last round's target features, draft a block through the drafter's family
+        (dflash_trt/families). -> block [R, B], q [R, B-1, V] or None (all rows greedy), drafts to
+        verify per row [R]."""
         R, B = len(self.reqs), self.block_size
-        greedy = all(r.params.greedy for r in self.reqs)
-        vocab = getattr(self.drafter, "draft_vocab", None)  # ids of the drafter's logit columns (None: all)
-        if self.graphs is not None:  # the same two calls, replayed from a CUDA graph
+        rows = [(r.params, r.generator) for r in self.reqs]
+        gated = self.draft_cutoff > 0
+        if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
-            vocab = None
+            block, q, conf = dflash.choose(block, logits, None, rows, gated, warp_logits, sample_tokens)
         else:
             self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
             block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
             block[:, 0] = self.last
-            if greedy and vocab is not None:  # greedy drafts need only the draft vocabulary's columns
-                logits = self.drafter.draft_logits(block, self.dcache, full_vocab=False)  # [R, B-1, Vd]
-            else:
-                logits, vocab = self.drafter.draft_logits(block, self.dcache), None  # [R, B-1, V]
-        gated = self.draft_cutoff > 0
-        if greedy:
-            col = logits.argmax(-1)  # draft vocabularies are sorted ids: ties resolve as over V
-            block[:, 1:] = col if vocab is None else vocab[col]
-            return block, None, self._lengths(_chosen_prob(logits, col) if gated else None, R)
-        q = torch.zeros_like(logits)
-        for r, req in enumerate(self.reqs):
-            if req.params.greedy:  # a one-hot q makes rejection sampling exactly greedy acceptance
-                block[r, 1:] = logits[r].argmax(-1)
-            else:
-                q[r] = warp_logits(logits[r], req.params)
-                block[r, 1:] = sample_tokens(q[r], req.generator)
-        conf = None
-        if gated:  # a sampled row's confidence is q's top probability, never q of the sampled draft (lossless)
-            conf = torch.stack(
-                [
-                    _chosen_prob(logits[r], block[r, 1:]) if req.params.greedy else q[r].max(-1).values
-                    for r, req in enumerate(self.reqs)
-                ]
+            block, q, conf = self.family.propose(
+                self.drafter, block, self.dcache, rows, gated, warp_logits, sample_tokens
             )
         return block, q, self._lengths(conf, R)
 
@@ -310,12 +298,6 @@ class SpecEngine:
     def _report(self, req: _Request) -> RequestOutput:
         new, req.unsent = req.unsent, []
         return RequestOutput(req.request_id, new, req.finish_reason is not None, req.finish_reason, req.stats)
-
-
-def _chosen_prob(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """softmax(logits)[..., ids] without materialising the softmax: logits [..., V], ids [...]."""
-    logits = logits.float()
-    return (logits.gather(-1, ids[..., None]).squeeze(-1) - logits.logsumexp(-1)).exp()
 
 
 def _eos_ids(target) -> frozenset[int]:

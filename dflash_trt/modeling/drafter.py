@@ -13,7 +13,9 @@ head) and its two inference operations over a `KVCache` of context K/V:
                   z-lab fields the reference honours: input_embedding_scale scales the block's
                   embeddings; a causal / sliding-window layer (is_causal, layer_types,
                   sliding_window) narrows its mask; output_multiplier and final_logit_softcapping
-                  shape the draft logits (finish_logits).
+                  shape the draft logits (finish_logits). A family's extra weights
+                  (dflash_trt/families; DFlash 2: a convolution around each layer's attention and
+                  MLP, the candidate selector) are added by family.build and run here when present.
 
 The embedding and LM head are the target's (frozen, shared, not saved). Training-time forward
 (many blocks per sequence under one mask) lives in the training module and uses these layers.
@@ -124,6 +126,7 @@ class DrafterLayer(nn.Module):
                 "down_proj": nn.Linear(f, d, bias=False),
             }
         )
+        self.attention_conv = self.mlp_conv = None  # a family's convolutions around each (families/dflash2.py)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mlp
@@ -138,6 +141,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_taps * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        config.family.build(self)  # the family's extra weights (dflash_trt/families)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         if config.draft_vocab_size is not None:  # token ids the head covers, sorted; saved with the weights
@@ -148,6 +152,11 @@ class DFlashDrafter(nn.Module):
         self._fast = None  # engine.fast_path.TritonDrafterOps when the Triton kernels are on
 
     # ---- wiring to the target -----------------------------------------------------------
+    @property
+    def family(self):
+        """The drafter family module (dflash_trt/families): its propose step drives the engine."""
+        return self.config.family
+
     @property
     def block_size(self) -> int:
         return self.config.block_size
@@ -244,11 +253,19 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
+            ac, mc = layer.attention_conv, layer.mlp_conv  # None but for DFlash 2
+            if ac is not None:
+                h, finish = ac.prepare(h)
             attn = layer.self_attn
             k, v = attn.kv(h, cos, sin)
             out = attend(i, attn.q(h, cos, sin), k, v)  # [R, H, B, D]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, B, -1))
-            x = x + layer.ffn(layer.post_attention_layernorm(x))
+            h = attn.o_proj(out.transpose(1, 2).reshape(R, B, -1))
+            x = x + (h if ac is None else ac.finish(h, finish))
+            h = layer.post_attention_layernorm(x)
+            if mc is not None:
+                h, finish = mc.prepare(h)
+            h = layer.ffn(h)
+            x = x + (h if mc is None else mc.finish(h, finish))
         return self.norm(x)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -304,6 +321,7 @@ class DFlashDrafter(nn.Module):
             for k, v in self.state_dict().items()
             if not (portable and k == "draft_vocab")
         }
+        state = self.config.family.save_keys(state)  # the family's published tensor names
         cfg = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
         with atomic_dir(folder) as tmp:
             cfg.save(tmp, portable)
@@ -339,6 +357,7 @@ class DFlashDrafter(nn.Module):
         """A drafter of config `cfg` with the weights of `state` (from `source`, named in errors),
         after checking every tensor is there with the shape the config implies."""
         model = cls(cfg)
+        state = cfg.family.load_keys(state)  # the family's published tensor names -> ours
         ours = model.state_dict()
         missing = sorted(set(ours) - set(state))
         if missing:

@@ -102,6 +102,8 @@ class StackedKVCache(KVCache):
 
 def drafter_unsupported_reason(cfg) -> str | None:
     """Why the drafter kernels cannot serve a drafter config (None when they can)."""
+    if not cfg.family.KERNELS:  # auto routes it to the PyTorch path (and so no CUDA graph)
+        return f"architectures {cfg.architectures}: the drafter kernels implement plain DFlash, not {cfg.family.LABEL}"
     D = cfg.head_dim
     if D < 32 or D & (D - 1):
         return f"head_dim={D}: the drafter kernels need a power of two >= 32"

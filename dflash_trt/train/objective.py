@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_trt.errors import ConfigError
 from dflash_trt.modeling.drafter import DFlashDrafter
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -133,6 +134,10 @@ def block_mask(anchors: torch.Tensor, valid: torch.Tensor, S: int, B: int) -> to
 
 def drafter_train_forward(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch) -> torch.Tensor:
     """All blocks of every sequence in one pass. taps [N, S, n_taps*d] -> hidden [N, J, B, d] (after norm)."""
+    if (
+        drafter.config.family.NAME != "dflash"
+    ):  # another family's weights (DFlash 2 convolutions) are not in this forward
+        raise ConfigError(f"training a {drafter.config.family.LABEL} drafter is not supported (plain DFlash only)")
     N, J, B = blocks.block_ids.shape
     S = taps.shape[1]
     target = drafter.target

@@ -1,0 +1,75 @@
+"""The plain DFlash drafter family (architecture DFlashDraftModel): draft tokens come straight from
+the draft logits, argmax (greedy) or a sample from q = warp(draft logits) (temperature, top-k, top-p,
+the same warp as the target's p).
+
+Boundary: the propose step of this family (choose); no weights or config fields of its own.
+The sampling functions are passed in (decoding/verify.py) so this package stays below config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME, ARCHITECTURE, LABEL = "dflash", "DFlashDraftModel", "DFlash"
+CONFIG_KEYS: tuple[str, ...] = ()
+KERNELS = True
+
+
+def check_fields(fields: dict, cfg) -> None:
+    return None
+
+
+def build(drafter) -> None:
+    return None
+
+
+def load_keys(state: dict) -> dict:
+    return state
+
+
+def save_keys(state: dict) -> dict:
+    return state
+
+
+def propose(drafter, block: torch.Tensor, cache, rows, gated: bool, warp, sample):
+    """block [R, B] (column 0 = last verified token, rest mask) -> (block with drafts, q [R, B-1, V] or
+    None when every row is greedy, confidence [R, B-1] for draft_cutoff or None). rows: (params,
+    generator) per row; warp(logits, params) -> probs and sample(probs, generator) -> ids."""
+    greedy = all(p.greedy for p, _ in rows)
+    vocab = getattr(drafter, "draft_vocab", None)  # ids of the drafter's logit columns (None: all)
+    if greedy and vocab is not None:  # greedy drafts need only the draft vocabulary's columns
+        logits = drafter.draft_logits(block, cache, full_vocab=False)  # [R, B-1, Vd]
+    else:
+        logits, vocab = drafter.draft_logits(block, cache), None  # [R, B-1, V]
+    return choose(block, logits, vocab, rows, gated, warp, sample)
+
+
+def choose(block: torch.Tensor, logits: torch.Tensor, vocab, rows, gated: bool, warp, sample):
+    """Drafts from draft logits [R, B-1, Vd] (vocab: ids of the columns, None for the full vocabulary);
+    returns as propose. Also the CUDA graph's second half (modeling/cuda_graph.py replays the logits)."""
+    if all(p.greedy for p, _ in rows):
+        col = logits.argmax(-1)  # draft vocabularies are sorted ids: ties resolve as over V
+        block[:, 1:] = col if vocab is None else vocab[col]
+        return block, None, (chosen_prob(logits, col) if gated else None)
+    q = torch.zeros_like(logits)
+    for r, (params, gen) in enumerate(rows):
+        if params.greedy:  # a one-hot q makes rejection sampling exactly greedy acceptance
+            block[r, 1:] = logits[r].argmax(-1)
+        else:
+            q[r] = warp(logits[r], params)
+            block[r, 1:] = sample(q[r], gen)
+    conf = None
+    if gated:  # a sampled row's confidence is q's top probability, never q of the sampled draft (lossless)
+        conf = torch.stack(
+            [
+                chosen_prob(logits[r], block[r, 1:]) if params.greedy else q[r].max(-1).values
+                for r, (params, _) in enumerate(rows)
+            ]
+        )
+    return block, q, conf
+
+
+def chosen_prob(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """softmax(logits)[..., ids] without materialising the softmax: logits [..., V], ids [...]."""
+    logits = logits.float()
+    return (logits.gather(-1, ids[..., None]).squeeze(-1) - logits.logsumexp(-1)).exp()

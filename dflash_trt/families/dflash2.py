@@ -1,0 +1,152 @@
+"""The DFlash 2 drafter family (architecture DFlash2DraftModel): plain DFlash plus
+  * a grouped dynamic causal convolution around each layer's attention and MLP, over the block
+    positions: `prepare` before (base kernel 0 + a per-position kernel projected from the input),
+    `finish` after (base kernel 1 + the second half of that projection);
+  * a candidate selector: the top-k of the draft logits at every block position, walked left to
+    right from the anchor (last verified) token; candidate c after token prev scores
+    logit(c) + <pred_codebook(prev) * proj(hidden), succ_codebook(c)>. Greedy takes the argmax
+    path; sampling draws from q = softmax(scores / T) over the k candidates, and acceptance uses
+    that q scattered onto the vocabulary (zero off the candidates), so rejection sampling stays
+    exact. As in the reference, q has no top-k / top-p (the target's p has them).
+
+Boundary: these weights, their config fields (conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k) and the propose step. The PyTorch drafter only: the Triton kernels, CUDA graph,
+TensorRT and draft vocabularies do not implement it (refused or routed to PyTorch by their owners).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.errors import ConfigError
+
+NAME, ARCHITECTURE, LABEL = "dflash2", "DFlash2DraftModel", "DFlash 2"
+CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+KERNELS = False
+SELECTOR = "candidate_selector"
+CODEBOOKS = ("predecessor_codebook", "successor_codebook")  # published without the `.weight` suffix
+
+
+def check_fields(fields: dict, cfg) -> None:
+    """The four fields are required positive integers; groups tile hidden_size, top-k fits the vocabulary."""
+    for k in CONFIG_KEYS:
+        v = fields.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"dflash_config.{k}={v!r}: a DFlash 2 drafter needs a positive integer")
+    if cfg.hidden_size % fields["conv_group_size"]:
+        raise ConfigError(
+            f"dflash_config.conv_group_size={fields['conv_group_size']} does not divide hidden_size={cfg.hidden_size}"
+        )
+    if fields["selector_top_k"] > cfg.vocab_size:
+        raise ConfigError(
+            f"dflash_config.selector_top_k={fields['selector_top_k']} exceeds vocab_size={cfg.vocab_size}"
+        )
+    if cfg.draft_vocab_size is not None:
+        raise ConfigError("dflash_config.draft_vocab_size: draft vocabularies are not supported for DFlash 2 drafters")
+
+
+class GroupedCausalConv(nn.Module):
+    """Per-group dynamic causal convolution over the positions of x [R, n, d]."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, n, d] -> (convolved x [R, n, d], the dynamic kernel for finish [R, n, K, G])."""
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, x.shape[-1] // self.group_size)
+        return _convolve(x, dyn[..., 0, :, :], self.base_kernel[0], self.group_size), dyn[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        return _convolve(x, dyn, self.base_kernel[1], self.group_size)
+
+
+def _convolve(x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
+    """x [R, n, d], dyn [R, n, K, G], base [K, d] -> y [R, n, d]:
+    y[t, g] = sum_o (base[o, g] + dyn[t, o, g]) * x[t - o, g]  (x before position 0 is zero)."""
+    R, n, d = x.shape
+    xg = x.view(R, n, d // group, group)
+    y = torch.zeros_like(xg)
+    for o in range(base.shape[0]):
+        if o >= n:
+            break
+        shifted = xg if o == 0 else F.pad(xg[:, : n - o], (0, 0, 0, 0, o, 0))
+        y = y + base[o].view(1, 1, d // group, group).to(x.dtype) * shifted
+        y = y + dyn[:, :, o, :, None] * shifted
+    return y.view(R, n, d)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab_size, rank)
+        self.successor_codebook = nn.Embedding(vocab_size, rank)
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, rows):
+        """hidden [R, n, d], draft logits [R, n, V], anchor [R] -> (path [R, n], candidates [R, n, k],
+        q [R, n, k] float32, zero on greedy rows). rows: (params, generator) per row; a sampled row
+        draws its n uniforms from its own generator, so its drafts do not depend on the batch."""
+        unary, cand = torch.topk(logits, self.top_k, dim=-1)  # [R, n, k] each
+        proj = self.hidden_projection(hidden)  # [R, n, r]
+        R, n = cand.shape[:2]
+        dev = logits.device
+        q = torch.zeros(R, n, self.top_k, dtype=torch.float32, device=dev)
+        sampled = torch.tensor([not p.greedy for p, _ in rows], device=dev)  # [R]
+        if bool(sampled.any()):
+            temps = torch.tensor([1.0 if p.greedy else p.temperature for p, _ in rows], device=dev)[:, None]
+            u = torch.stack(
+                [torch.zeros(n, device=dev) if p.greedy else torch.rand(n, generator=g, device=dev) for p, g in rows]
+            )  # [R, n]
+        prev, path = anchor, []
+        for j in range(n):
+            ctx = self.predecessor_codebook(prev) * proj[:, j]  # [R, r]
+            scores = unary[:, j] + torch.einsum("br,bkr->bk", ctx, self.successor_codebook(cand[:, j]))  # [R, k]
+            index = scores.argmax(-1)
+            if bool(sampled.any()):
+                q[:, j] = torch.softmax(scores.float() / temps, dim=-1) * sampled[:, None]
+                cdf = q[:, j].cumsum(-1)  # inverse-CDF draw, as decoding/verify.sample_tokens
+                drawn = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
+                index = torch.where(sampled, drawn.clamp_(max=self.top_k - 1), index)
+            prev = cand[:, j].gather(-1, index[:, None])[:, 0]
+            path.append(prev)
+        return torch.stack(path, dim=1), cand, q
+
+
+def build(drafter) -> None:
+    """Adds the convolutions (layers.i.attention_conv / mlp_conv) and the candidate selector."""
+    c, f = drafter.config, drafter.config.family_fields
+    for layer in drafter.layers:
+        layer.attention_conv = GroupedCausalConv(c.hidden_size, f["conv_kernel_size"], f["conv_group_size"])
+        layer.mlp_conv = GroupedCausalConv(c.hidden_size, f["conv_kernel_size"], f["conv_group_size"])
+    drafter.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, f["selector_rank"], f["selector_top_k"])
+
+
+def load_keys(state: dict) -> dict:
+    """Published layout (codebooks without `.weight`) -> state_dict names; either spelling loads."""
+    rename = {f"{SELECTOR}.{name}": f"{SELECTOR}.{name}.weight" for name in CODEBOOKS}
+    return {rename.get(k, k): v for k, v in state.items()}
+
+
+def save_keys(state: dict) -> dict:
+    """state_dict names -> the published layout (what the reference's from_pretrained maps back)."""
+    rename = {f"{SELECTOR}.{name}.weight": f"{SELECTOR}.{name}" for name in CODEBOOKS}
+    return {rename.get(k, k): v for k, v in state.items()}
+
+
+def propose(drafter, block: torch.Tensor, cache, rows, gated: bool, warp, sample):
+    """As families/dflash.propose: block [R, B] -> (block with the selected path, q [R, B-1, V] or None
+    when every row is greedy, None: draft_cutoff is refused for this family). warp and sample are
+    unused: q has no top-k / top-p, and the walk draws its candidates itself."""
+    hidden = drafter.draft_block(block, cache)[:, 1:]  # [R, B-1, d]
+    logits = drafter.finish_logits(drafter.head_logits(hidden))  # [R, B-1, V]
+    path, cand, q = drafter.candidate_selector.walk(hidden, logits, block[:, 0], rows)
+    block[:, 1:] = path
+    if all(p.greedy for p, _ in rows):
+        return block, None, None
+    return block, torch.zeros_like(logits).scatter_(-1, cand, q), None
