@@ -359,11 +359,51 @@ def test_dflash2_states_logits_and_path_match_reference(tmp_path):
     assert differs  # the selector's pair scores changed some path: the walk itself was compared
 
 
+def accepting_dflash2(tmp_path, hf, target, prompts):
+    """A DFlash 2 checkpoint that gets drafts accepted, built by the reference class: the backbone of a
+    plain DFlash drafter of the same shape trained on the target's continuations of `prompts`, the
+    convolutions set to the identity (base tap 1 at offset 0, no dynamic part) and small random selector
+    weights, so the selector walks a path close to the trained argmax yet still scores pairs."""
+    cfg = tiny_config("qwen3", num_target_layers=L, num_hidden_layers=2, block_size=4, dflash_config=D2_PLAIN)
+    torch.manual_seed(0)
+    ref.DFlashDraftModel(cfg).float().save_pretrained(tmp_path / "plain")
+    plain = train_until_it_accepts(
+        DFlashDrafter.from_pretrained(tmp_path / "plain", target=target), target, prompts, 80
+    )
+    plain.save_pretrained(tmp_path / "plain_trained")
+    d2 = ref.DFlash2DraftModel(
+        tiny_config(
+            "qwen3", num_target_layers=L, num_hidden_layers=2, block_size=4, dflash_config={**D2_PLAIN, **D2_FIELDS}
+        )
+    ).float()
+    missing, unexpected = d2.load_state_dict(
+        load_file(str(tmp_path / "plain_trained" / "model.safetensors")), strict=False
+    )
+    assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing)
+    with torch.no_grad():
+        for name, p in d2.named_parameters():
+            if "base_kernel" in name:
+                p.zero_()
+                p[:, 0] = 1.0  # prepare and finish: identity at offset 0
+            elif "kernel_projection" in name:
+                p.zero_()
+            elif "candidate_selector" in name:
+                p.copy_(0.05 * torch.randn_like(p))
+    d2.save_pretrained(tmp_path / "d2_accepting")
+    return tmp_path / "d2_accepting"
+
+
 def test_dflash2_greedy_generation_matches_dflash_generate(tmp_path, monkeypatch):
-    hf, target, ours, theirs, _ = pair2(tmp_path, seed=3)
-    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    hf = tiny_hf("qwen3", num_hidden_layers=L)
+    target = TargetModel(hf)
     g, n = torch.Generator().manual_seed(2), 16
-    for prompt in [torch.randint(0, MASK, (k,), generator=g).tolist() for k in (6, 5)]:
+    prompts = [torch.randint(0, MASK, (6,), generator=g).tolist() for _ in range(4)]
+    folder = accepting_dflash2(tmp_path, hf, target, prompts)
+    ours, theirs = DFlashDrafter.from_pretrained(folder, target=target), ref2_load(folder)[0]
+    assert ours.family.NAME == "dflash2"
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    lengths = []
+    for prompt in prompts[:2] + [torch.randint(0, MASK, (5,), generator=g).tolist()]:
         res = ref.dflash_generate(
             theirs, hf, torch.tensor([prompt]), max_new_tokens=n, stop_token_ids=None, return_stats=True
         )
@@ -375,6 +415,8 @@ def test_dflash2_greedy_generation_matches_dflash_generate(tmp_path, monkeypatch
                 break
             full, pos = full + 1, pos + k
         assert per_step[:full] == res.acceptance_lengths[:full], (per_step, res.acceptance_lengths)
+        lengths += res.acceptance_lengths
+    assert sum(k > 1 for k in lengths) >= 4, lengths  # drafts do get accepted: the comparison has teeth
 
 
 def test_dflash2_greedy_batch_equals_target_greedy(tmp_path):
