@@ -98,7 +98,8 @@ class CandidateSelector(nn.Module):
         dev = logits.device
         q = torch.zeros(R, n, self.top_k, dtype=torch.float32, device=dev)
         sampled = torch.tensor([not p.greedy for p, _ in rows], device=dev)  # [R]
-        if bool(sampled.any()):
+        any_sampled = not all(p.greedy for p, _ in rows)  # from the params: no device sync per position
+        if any_sampled:
             temps = torch.tensor([1.0 if p.greedy else p.temperature for p, _ in rows], device=dev)[:, None]
             u = torch.stack(
                 [torch.zeros(n, device=dev) if p.greedy else torch.rand(n, generator=g, device=dev) for p, g in rows]
@@ -108,7 +109,7 @@ class CandidateSelector(nn.Module):
             ctx = self.predecessor_codebook(prev) * proj[:, j]  # [R, r]
             scores = unary[:, j] + torch.einsum("br,bkr->bk", ctx, self.successor_codebook(cand[:, j]))  # [R, k]
             index = scores.argmax(-1)
-            if bool(sampled.any()):
+            if any_sampled:
                 q[:, j] = torch.softmax(scores.float() / temps, dim=-1) * sampled[:, None]
                 cdf = q[:, j].cumsum(-1)  # inverse-CDF draw, as decoding/verify.sample_tokens
                 drawn = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
