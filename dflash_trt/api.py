@@ -243,10 +243,18 @@ def run_generate(
     kernels: str = "auto",
     cuda_graph: str = "auto",
     draft_cutoff: float = 0.0,
+    draft_length: str = "block",
 ) -> Comparison:
     """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
     out = generate(
-        target, drafter, [prompt_ids], params, kernels=kernels, cuda_graph=cuda_graph, draft_cutoff=draft_cutoff
+        target,
+        drafter,
+        [prompt_ids],
+        params,
+        kernels=kernels,
+        cuda_graph=cuda_graph,
+        draft_cutoff=draft_cutoff,
+        draft_length=draft_length,
     )
     toks = out.tokens[0]
     cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())

@@ -12,8 +12,9 @@ import json
 import click
 
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
-from dflash_trt.cli_shared import DRAFT_CUTOFF_HELP, dtype_device_options, friendly_errors
+from dflash_trt.cli_shared import DRAFT_CUTOFF_HELP, draft_length_option, dtype_device_options, friendly_errors
 from dflash_trt.config import SamplingParams, field_help
+from dflash_trt.decoding.draft_length import DRAFT_LENGTHS, length_source
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
 from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
@@ -97,6 +98,7 @@ def models_list():
     type=click.FloatRange(0.0, 1.0, max_open=True),
     help=DRAFT_CUTOFF_HELP,
 )
+@draft_length_option(DRAFT_LENGTHS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(
@@ -117,9 +119,11 @@ def generate(
     kernels,
     cuda_graph,
     draft_cutoff,
+    draft_length,
     as_json,
 ):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
+    length_source(draft_length, draft_cutoff, "--draft-length")  # before any model loads
     if not drafter_dir and not random_drafter:
         load_drafter(None, None)  # raises the "how to get a drafter" message before any download
     tgt, path = load_target(target, dtype, progress=not as_json, device=device)
@@ -144,6 +148,7 @@ def generate(
         kernels=kernels,
         cuda_graph=cuda_graph,
         draft_cutoff=draft_cutoff,
+        draft_length=draft_length,
     )
     if as_json:
         click.echo(
@@ -171,6 +176,8 @@ def print_stats(res, block_size: int, temperature: float) -> None:
     s = res.stats
     t = Table(title="DFlash statistics", show_header=False)
     t.add_row("acceptance length tau", f"{s['tau']:.2f} tokens / verify step (block size {block_size})")
+    if s.get("predicted_tau") is not None:
+        t.add_row("predicted tau", f"{s['predicted_tau']:.2f} (the drafter's confidence head)")
     t.add_row("tokens", f"{s['num_output_tokens']} in {s['num_verify_steps']} verify steps")
     if s["num_verify_steps"]:
         t.add_row(
@@ -184,6 +191,8 @@ def print_stats(res, block_size: int, temperature: float) -> None:
         f"prefill {s['prefill_time']:.2f}s, draft {s['draft_time']:.2f}s, " f"verify {s['verify_time']:.2f}s",
     )
     t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
+    if s.get("predicted_per_position"):
+        t.add_row("predicted per position", " ".join(f"{p:.2f}" for p in s["predicted_per_position"]))
     if res.baseline_stats:
         t.add_row("baseline decode speed", f"{res.baseline_stats['decode_tokens_per_s']:.1f} tok/s")
         t.add_row("speedup", f"{res.speedup:.2f}x" if res.speedup else "n/a")

@@ -23,6 +23,24 @@ DRAFT_CUTOFF_HELP = (
     "this (0: every draft). Output is unchanged; on a CPU, where verify cost grows with its "
     "width, it skips drafts that would be rejected anyway."
 )
+DRAFT_LENGTH_HELP = (
+    "What --draft-cutoff thresholds: block = the drafter's own probabilities (cutoff 0 verifies the "
+    "whole block); confidence = the drafter's learned confidence head (DSpark drafters with one), "
+    "its predicted chance that every kept draft is accepted (needs --draft-cutoff > 0)."
+)
+
+
+def draft_length_option(choices, flag: str = "--draft-length", help_prefix: str = ""):
+    """--draft-length: `choices` from the caller (decoding/draft_length.py DRAFT_LENGTHS, the one home of
+    the values and their validation; this module imports no library code)."""
+    return click.option(
+        flag,
+        "draft_length",
+        type=click.Choice(list(choices)),
+        default=choices[0],
+        show_default=True,
+        help=help_prefix + DRAFT_LENGTH_HELP,
+    )
 
 
 def stack(*decorators):

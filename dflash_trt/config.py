@@ -172,7 +172,7 @@ class DrafterConfig:
                     f"architectures={self.architectures}: expected one of "
                     f"{', '.join(repr([a]) for a in families.FAMILIES)}"
                 )
-        self.family_fields = dict(self.family_fields)
+        self.family_fields = {**self.family.DEFAULTS, **self.family_fields}  # optional fields left out
         unknown = sorted(set(self.family_fields) - set(self.family.CONFIG_KEYS))
         if unknown:
             raise ConfigError(f"family_fields {unknown}: not fields of a {self.family.LABEL} drafter")

@@ -11,8 +11,11 @@ The reference is the authors' `dflash` package (DFlashDraftModel over a transfor
     rope_theta 1e4, sliding_window honoured only with use_sliding_window, layer_types derived
     from max_window_layers when absent, is_causal from the layer type when absent).
   * `architectures` is kept and written back as read; it names the drafter family
-    (dflash_trt/families: DFlashDraftModel, DFlash2DraftModel), whose own fields (DFlash 2:
-    conv_* / selector_*) are read with the DFlash precedence into DrafterConfig.family_fields.
+    (dflash_trt/families: DFlashDraftModel, DFlash2DraftModel, DSparkDraftModel, DominoDraftModel),
+    whose own fields (DFlash 2: conv_* / selector_*; DSpark: markov_* / confidence_*; Domino: emb_dim,
+    gru_hidden_dim, ...) are read with the DFlash precedence into DrafterConfig.family_fields. A
+    DFlashDraftModel whose dflash_config.projector_type names a family (SGLang writes Domino so)
+    is that family, saved under the family's own architecture name (SpecForge's).
   * Unknown `dflash_config` keys are refused: the reference ignores them, but they belong to
     other DFlash variants (SpecForge projector heads, another family) whose math they change. Unknown
     top-level keys are Qwen3/transformers bookkeeping the reference ignores too; they are kept.
@@ -114,19 +117,20 @@ def _check_dflash_keys(dc: dict, family) -> dict:
     for k, v in dc.items():
         if k in DFLASH_KEYS or k in family.CONFIG_KEYS:
             continue
-        owner = families.owner_of(k)
+        owner = families.owner_of(k, v)
         if k in HARMLESS_AT_DEFAULT and v == HARMLESS_AT_DEFAULT[k]:
             kept[k] = v
+        elif owner is not None and owner is not family:
+            raise CheckpointError(
+                f"drafter config.json dflash_config.{k}={v!r}: a {owner.LABEL} field, but architectures names a "
+                f'{family.LABEL} drafter ({family.ARCHITECTURE}); use architectures ["{owner.ARCHITECTURE}"] '
+                f"or drop the field"
+            )
         elif k in HARMLESS_AT_DEFAULT:
             raise CheckpointError(
                 f"drafter config.json dflash_config.{k}={v!r}: SpecForge's {k} is not "
                 f"implemented (only {HARMLESS_AT_DEFAULT[k]!r}); this drafter would "
                 f"draft wrongly, so it is refused"
-            )
-        elif owner is not None:
-            raise CheckpointError(
-                f"drafter config.json dflash_config.{k}: a {owner.LABEL} field, but architectures names a "
-                f"{family.LABEL} drafter ({family.ARCHITECTURE}); fix architectures or drop the field"
             )
         else:
             raise CheckpointError(
@@ -171,13 +175,16 @@ def read(d: dict) -> dict[str, Any]:
     dc = d.get("dflash_config") or {}
     if not isinstance(dc, dict):
         raise CheckpointError(f"drafter config.json dflash_config={dc!r}: expected a mapping")
+    named = families.owner_of("projector_type", dc.get("projector_type", d.get("projector_type")))
+    if family is families.DEFAULT and named is not None:  # SGLang's layout: the projector names the family
+        family, archs = named, [named.ARCHITECTURE]
     kept_dc = _check_dflash_keys(dc, family)
 
     def dflash(name, default=None):  # the reference's precedence: dflash_config, top level, default
         return dc.get(name, d.get(name, default))
 
-    family_fields = {k: dflash(k) for k in family.CONFIG_KEYS}
-    absent = [k for k, v in family_fields.items() if v is None]
+    family_fields = {k: dflash(k, family.DEFAULTS.get(k)) for k in family.CONFIG_KEYS}
+    absent = [k for k, v in family_fields.items() if v is None and k not in family.DEFAULTS]
     if absent:
         raise CheckpointError(
             f"drafter config.json lacks dflash_config.{', dflash_config.'.join(absent)}, which a "
@@ -272,6 +279,8 @@ def write(cfg, portable: bool = False) -> dict:
             "dflash_config": dc,
         }
     )
+    for k in cfg.family.TOP_LEVEL_TOO:
+        d[k] = cfg.family_fields[k]
     if cfg.architectures is not None:
         d["architectures"] = list(cfg.architectures)
     if cfg.sliding_window is not None:  # explicit layer types: max_window_layers is not written

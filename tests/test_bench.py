@@ -242,6 +242,95 @@ def test_bench_draft_cutoff_is_used_and_recorded(setup, tmp_path):
     assert "draft cutoff 0.5" in (tmp_path / "bench.md").read_text()
 
 
+def _family_drafter(root, name, arch, fields):
+    """A tiny drafter of another family (DSpark / Domino: PyTorch path only) for the bench's target."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from dflash_trt.families import for_architectures
+    from dflash_trt.modeling.target import TargetModel
+
+    if not (root / name / "config.json").is_file():
+        target = TargetModel.from_pretrained(root / "target", dtype=torch.float32)
+        cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(root / "target"), num_layers=1, block_size=4)
+        defaults = for_architectures([arch]).DEFAULTS  # replace() skips the loader that fills them
+        cfg = dataclasses.replace(cfg, architectures=[arch], family_fields={**defaults, **fields})
+        torch.manual_seed(2)
+        DFlashDrafter(cfg).bind(target).save_pretrained(root / name)
+    return root / name
+
+
+DSPARK = {"markov_rank": 8, "markov_head_type": "rnn", "enable_confidence_head": True}
+
+
+def test_bench_dspark_confidence_reports_predicted_acceptance(setup, tmp_path):
+    """A DSpark drafter with a confidence head, draft_length=confidence: kernels auto routes it to PyTorch,
+    outputs stay exact, and the report puts the head's predicted per-position acceptance and tau beside
+    the measured ones (table, bench.md and bench.json), and records the draft length."""
+    drafter = _family_drafter(setup, "dspark", "DSparkDraftModel", DSPARK)
+    rep = run_bench(
+        config(
+            setup,
+            tmp_path,
+            drafter=str(drafter),
+            methods=["baseline", "hf", "dflash"],
+            draft_cutoff=0.05,
+            draft_length="confidence",
+            plots=False,
+        ),
+        say=lambda m: None,
+        progress=False,
+    )
+    rows = {r["method"]: r for r in rep["rows"]}
+    d = rows["dflash"]
+    assert rep["mismatches"] == [] and d["exact"] == "yes"
+    assert len(d["per_position_acceptance"]) == 3 and len(d["predicted_per_position"]) == 3
+    assert all(0.0 <= p <= 1.0 for p in d["predicted_per_position"])
+    assert d["predicted_tau"] == pytest.approx(1.0 + sum(d["predicted_per_position"]))
+    assert rows["baseline"]["predicted_tau"] is None and rows["hf"]["predicted_per_position"] is None
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["config"]["draft_length"] == "confidence" and saved["config"]["draft_cutoff"] == 0.05
+    js = {r["method"]: r for r in saved["rows"]}["dflash"]
+    assert js["predicted_per_position"] == pytest.approx(d["predicted_per_position"])
+    assert any("predicted_at" in p for p in saved["per_prompt"] if p["method"] == "dflash")
+    md = (tmp_path / "bench.md").read_text()
+    assert "pred. tau" in md and "draft length confidence" in md
+
+
+def test_bench_domino_drafter_runs_on_pytorch(setup, tmp_path):
+    drafter = _family_drafter(setup, "domino", "DominoDraftModel", {"emb_dim": 16, "gru_hidden_dim": 16})
+    rep = run_bench(
+        config(setup, tmp_path, drafter=str(drafter), methods=["hf", "dflash"], plots=False),
+        say=lambda m: None,
+        progress=False,
+    )
+    d = {r["method"]: r for r in rep["rows"]}["dflash"]
+    assert rep["mismatches"] == [] and d["exact"] == "yes" and d["predicted_tau"] is None
+    assert len(d["per_position_acceptance"]) == 3
+
+
+def test_bench_draft_length_validation():
+    with pytest.raises(DFlashError, match="draft_length=confidence needs draft_cutoff > 0"):
+        BenchConfig(target="x", draft_length="confidence")
+    with pytest.raises(DFlashError, match="draft_length='nope'"):
+        BenchConfig(target="x", draft_length="nope")
+
+
+def test_summary_of_predicted_acceptance():
+    from dflash_trt.bench.report import summarize
+
+    s = summarize(
+        [
+            Run([1] * 9, 9, 0.5, 1.5, [0, 1, 2, 1], predicted_at=[3.0, 1.0]),
+            Run([1] * 5, 5, 0.5, 1.5, [0, 4], predicted_at=[1.0, 0.0]),
+        ]
+    )
+    assert s["predicted_per_position"] == pytest.approx([4 / 8, 1 / 8])
+    assert s["predicted_tau"] == pytest.approx(1 + 5 / 8)
+    assert summarize([Run([1] * 5, 5, 0.5, 1.5, [0, 4])])["predicted_tau"] is None
+
+
 def test_summary_of_runs():
     from dflash_trt.bench.report import summarize
 

@@ -165,6 +165,9 @@ def _other_target_drafter(root: Path) -> Path:
         ("nvfp4_on_hopper", "target_quant=nvfp4"),
         ("missing_tokenizer", "tokenizer="),
         ("draft_cutoff", "draft_cutoff=1.0"),
+        ("draft_length", "draft_length=confidence needs draft_cutoff > 0"),
+        ("draft_length_name", "draft_length='sometimes': choose one of block, confidence"),
+        ("no_confidence_head", "offers no confidence per draft"),
     ],
 )
 def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
@@ -180,6 +183,12 @@ def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
         fields.update(target_quant="nvfp4", sm="sm_90")
     elif case == "draft_cutoff":
         fields["draft_cutoff"] = 1.0
+    elif case == "draft_length":
+        fields["draft_length"] = "confidence"
+    elif case == "draft_length_name":
+        fields["draft_length"] = "sometimes"
+    elif case == "no_confidence_head":  # the plain DFlash drafter has none: refused in check, not at serve time
+        fields.update(draft_length="confidence", draft_cutoff=0.3)
     else:
         fields["tokenizer"] = str(root / "drafter")  # a folder without tokenizer files
     r = cli("check", "--config", write_yaml(tmp_path / "b.yaml", **fields))
@@ -223,8 +232,10 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
         "repo": "cached",
     }
     assert (out / "engine" / "target" / "model.safetensors").is_file()
-    _, third = build(tmp_path, root, instance_count=2, decoupled=False)  # repo options only
+    _, third = build(tmp_path, root, instance_count=2, decoupled=False, draft_cutoff=0.3)  # repo options only
     assert statuses(third)["engine"] == "cached" and statuses(third)["repo"] == "ran"
+    dflash_cfg = (out / "model_repo" / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "draft_length" value: { string_value: "block" }' in dflash_cfg and '"0.3"' in dflash_cfg
     assert "count: 2" in (out / "model_repo" / "dflash_unary" / "config.pbtxt").read_text()
     assert not (out / "model_repo" / "dflash_bls").exists() and (out / "model_repo" / "dflash").is_dir()
     _, forced = build(tmp_path, root, "out", "--force", instance_count=2)

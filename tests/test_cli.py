@@ -88,6 +88,52 @@ def test_bad_flags_one_line_errors(pair, args, needle):
     assert r.exit_code == 2 and needle in r.output, r.output
 
 
+def test_draft_length_confidence_errors_are_one_line(pair):
+    r = generate(pair, "--prompt", "hi", "--draft-length", "confidence")  # no cutoff
+    assert r.exit_code == 2 and "--draft-length=confidence needs draft_cutoff > 0" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    r = generate(pair, "--prompt", "hi", "--draft-length", "confidence", "--draft-cutoff", 0.3)  # plain DFlash
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    (err,) = [line for line in r.output.splitlines() if line.startswith("error:")]  # after load progress lines
+    assert "no confidence head" in err and "draft_length=block" in err
+    r = generate(pair, "--prompt", "hi", "--draft-length", "nope")
+    assert r.exit_code == 2 and "block" in r.output and "confidence" in r.output
+
+
+@pytest.fixture(scope="module")
+def dspark_dir(pair):
+    """A tiny DSpark drafter with a (random) confidence head for the module's target."""
+    import dataclasses
+
+    from dflash_trt.families import for_architectures
+
+    root, target_dir = pair
+    t = TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
+    fields = {"markov_rank": 8, "markov_head_type": "rnn", "enable_confidence_head": True}
+    fields = {**for_architectures(["DSparkDraftModel"]).DEFAULTS, **fields}
+    cfg = dataclasses.replace(cfg, architectures=["DSparkDraftModel"], family_fields=fields)
+    torch.manual_seed(0)
+    DFlashDrafter(cfg).bind(t).save_pretrained(root / "dspark")
+    return root / "dspark"
+
+
+def test_generate_dspark_confidence_reports_predicted_tau(pair, dspark_dir):
+    _, target = pair
+    args = ["generate", "--target", target, "--drafter", dspark_dir, "--prompt", "def add", "--max-new-tokens", 12]
+    args += ["--dtype", "float32", "--draft-length", "confidence", "--draft-cutoff", 0.05]
+    r = run(*args, "--baseline", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["identical_to_baseline"] is True
+    s = res["stats"]
+    assert len(s["per_position_acceptance"]) == 3 and len(s["predicted_per_position"]) == 3
+    assert s["predicted_tau"] == pytest.approx(1 + sum(s["predicted_per_position"]))
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert "predicted tau" in r.output and "predicted per position" in r.output
+
+
 def test_missing_and_corrupt_drafter(pair, tmp_path):
     root, target = pair
     r = run("generate", "--target", target, "--drafter", tmp_path / "nope", "--prompt", "hi")

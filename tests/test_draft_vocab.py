@@ -141,7 +141,8 @@ def test_logit_fields_apply_on_the_greedy_shortcut():
     d.config.output_multiplier, d.config.final_logit_softcapping = -1.0, 2.0  # -1 turns argmax into argmin
     eng = SpecEngine(t, d, max_batch=2, max_seq_len=32, kernels="torch")
     eng.add_requests([("a", [1, 2, 3], SamplingParams()), ("b", [4, 5], SamplingParams())])
-    block, q, _ = eng.propose()
+    prop = eng.propose()
+    block, q = prop.block, prop.q
     masked = block.clone()
     masked[:, 1:] = d.mask_token_id  # what was drafted from (propose writes its drafts into block)
     full = d.draft_logits(masked, eng.dcache)  # [2, B-1, V]: -inf outside the vocabulary

@@ -111,3 +111,17 @@ def test_default_template_dir_is_the_packaged_one():
     d = default_template_dir()
     assert d == (ROOT / "dflash_trt" / "serving" / "model_repo").resolve()
     assert (ROOT / "model_repo").resolve() == d  # the checkout's top-level link
+
+
+@pytest.mark.parametrize(
+    "module", ["dflash.model", "specforge.modeling.draft.dspark", "specforge.modeling.draft.domino"]
+)
+def test_reference_packages_are_installed_under_ci(module):
+    """The parity tests skip where a reference is missing; under CI (.ci/run installs them) a missing
+    one would turn every parity test into a skip, so there it fails instead."""
+    import importlib
+    import os
+
+    if not os.environ.get("CI"):
+        pytest.skip("outside CI the reference packages are optional")
+    importlib.import_module(module)

@@ -206,7 +206,9 @@ def test_draft_vocab_extension_and_portable_save(tmp_path):
     "change, error, match",
     [
         ({"architectures": ["LlamaForCausalLM"]}, CheckpointError, r"architectures \['LlamaForCausalLM'\]"),
-        ({"dflash_config.projector_type": "domino"}, CheckpointError, "projector_type='domino'"),
+        ({"dflash_config.projector_type": "eagle"}, CheckpointError, "projector_type='eagle'"),
+        ({"dflash_config.projector_type": "domino"}, CheckpointError, r"emb_dim, .*which a Domino drafter"),
+        ({"dflash_config.shift_label": True}, CheckpointError, "shift_label=True: a Domino field"),
         ({"dflash_config.future_knob": 1}, CheckpointError, "dflash_config.future_knob: unknown"),
         ({"sliding_window": -4}, ConfigError, "sliding_window=-4"),
         ({"dflash_config.final_logit_softcapping": -1.0}, ConfigError, "final_logit_softcapping=-1.0"),

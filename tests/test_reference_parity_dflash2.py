@@ -226,8 +226,19 @@ def test_dflash2_refusals_are_one_line(tmp_path):
     assert "\n" not in str(e.value)
     assert "not DFlash 2" in drafter_unsupported_reason(ours.config)  # kernels=auto -> PyTorch, no CUDA graph
     assert "DFlash 2" in " ".join(ours.config.beyond_paper())  # TensorRT conversion refuses it
-    with pytest.raises(ConfigError, match="training a DFlash 2 drafter is not supported"):
-        drafter_train_forward(ours, None, None)  # refused before it reads its inputs
+    from dflash_trt.train.objective import make_blocks  # training runs, convolutions included
+
+    ids = torch.randint(0, MASK, (1, 16), generator=torch.Generator().manual_seed(0))
+    taps = target.forward(ids, target.new_cache(1, 16), tap_layers=ours.target_layer_ids).taps
+    blocks = make_blocks(ids, torch.tensor([[5, 9]]), torch.ones(1, 2, dtype=torch.bool), 4, MASK)
+    hidden = drafter_train_forward(ours, taps, blocks)
+    with torch.no_grad():
+        for layer in ours.layers:  # identity convolutions: a different hidden state
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+    assert not torch.allclose(drafter_train_forward(ours, taps, blocks), hidden, atol=1e-3)
     edit_config(folder, **{"dflash_config.draft_vocab_size": 8})
     with pytest.raises(ConfigError, match="draft vocabularies are not supported for DFlash 2") as e:
         DFlashDrafter.from_pretrained(folder)
@@ -237,7 +248,7 @@ def test_dflash2_refusals_are_one_line(tmp_path):
         DFlashDrafter.from_pretrained(folder)
     assert "\n" not in str(e.value)
     edit_config(folder, architectures=["DFlashDraftModel"], dflash_config={**D2_PLAIN, **D2_FIELDS})  # relabelled
-    with pytest.raises(CheckpointError, match=r"dflash_config.conv_\w+: a DFlash 2 field, but architectures"):
+    with pytest.raises(CheckpointError, match=r"dflash_config.conv_\w+=\d+: a DFlash 2 field, but architectures"):
         DFlashDrafter.from_pretrained(folder)
     edit_config(folder, dflash_config=D2_PLAIN)  # and then its tensors
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['candidate_selector"):

@@ -3,6 +3,7 @@ continuous batching / cancellation / error isolation, and model-repository filli
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -258,6 +259,86 @@ def test_engine_loader_passes_the_draft_cutoff(tmp_path):
     assert make().draft_cutoff == 0.25
 
 
+def _dspark_drafter(target, block_size: int = 4):
+    """A tiny DSpark drafter with a (random) confidence head."""
+    import dataclasses
+
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.families import for_architectures
+    from dflash_trt.modeling.drafter import DFlashDrafter
+
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=block_size)
+    fields = {"markov_rank": 8, "markov_head_type": "rnn", "enable_confidence_head": True}
+    fields = {**for_architectures(["DSparkDraftModel"]).DEFAULTS, **fields}
+    torch.manual_seed(3)
+    return DFlashDrafter(dataclasses.replace(cfg, architectures=["DSparkDraftModel"], family_fields=fields)).bind(
+        target
+    )
+
+
+def test_engine_loader_passes_the_draft_length(tmp_path):
+    """draft_length reaches the engine; a drafter without a confidence head fails at the first engine (load
+    time in Triton), and confidence without a cutoff before any model loads."""
+    target = TargetModel.from_pretrained(tiny_model_dir(tmp_path / "target"), dtype=torch.float32)
+    tiny_drafter(target).save_pretrained(tmp_path / "plain")
+    _dspark_drafter(target).save_pretrained(tmp_path / "dspark")
+    with pytest.raises(DFlashError, match="draft_length=confidence needs draft_cutoff > 0"):
+        load_engine_factory(str(tmp_path / "nope"), str(tmp_path), draft_length="confidence")
+    make = load_engine_factory(
+        str(tmp_path / "target"), str(tmp_path / "plain"), dtype="float32", draft_cutoff=0.2, draft_length="confidence"
+    )
+    with pytest.raises(DFlashError, match="no confidence head"):
+        Orchestrator(make)
+    make = load_engine_factory(
+        str(tmp_path / "target"), str(tmp_path / "dspark"), dtype="float32", draft_cutoff=0.2, draft_length="confidence"
+    )
+    assert make().length_source == "confidence"
+
+
+class _PositionMetrics:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):  # every other NullMetrics hook: ignored
+        return lambda *a, **k: None
+
+    def positions(self, accepted_at, predicted_at):
+        self.calls.append((accepted_at, predicted_at))
+
+
+def test_orchestrator_reports_per_position_and_predicted_acceptance():
+    """perf_metrics of a finished request carry per-position acceptance and, with a confidence head, the
+    head's predicted per-position acceptance and tau; the metrics hook gets the per-position counts."""
+    t = tiny_target("qwen3")
+    for drafter, kw, predicted in (
+        (tiny_drafter(t, block_size=4), {}, False),
+        (_dspark_drafter(t), {"draft_cutoff": 0.05, "draft_length": "confidence"}, True),
+    ):
+        metrics = _PositionMetrics()
+        make = functools.partial(SpecEngine, t, drafter, max_batch=2, max_seq_len=64, **kw)
+        orch = Orchestrator(make, metrics=metrics)
+        orch.start()
+        try:
+            sink = ListSink()
+            orch.submit(TokenRequest([5, 17, 42], Sampling(max_tokens=10, return_perf_metrics=True)), sink)
+            assert sink.done.wait(60) and not sink.errors
+        finally:
+            orch.stop()
+        last = sink.msgs[-1][0]
+        perf = last.perf
+        assert len(perf["per_position_acceptance"]) == 3
+        ref = generate_baseline(t, [[5, 17, 42]], SamplingParams(max_new_tokens=10)).tokens[0]
+        assert last.output_ids == ref
+        accepted_at, predicted_at = metrics.calls[0]
+        steps = sum(perf["accept_hist"])
+        assert [a / steps for a in accepted_at] == pytest.approx(perf["per_position_acceptance"])
+        if predicted:
+            assert len(perf["predicted_per_position"]) == 3 and len(predicted_at) == 3
+            assert perf["predicted_tau"] == pytest.approx(1 + sum(perf["predicted_per_position"]))
+        else:
+            assert "predicted_tau" not in perf and predicted_at == []
+
+
 # ---- model repository -------------------------------------------------------------------------
 def test_fill_model_repo(tmp_path):
     tpl = default_template_dir()
@@ -272,6 +353,7 @@ def test_fill_model_repo(tmp_path):
         assert "${" not in text and (out / m / "1").is_dir()
     assert f'string_value: "{(tmp_path / "t").resolve()}"' in (out / "dflash" / "config.pbtxt").read_text()
     assert 'key: "draft_cutoff" value: { string_value: "0.0" }' in (out / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "draft_length" value: { string_value: "block" }' in (out / "dflash" / "config.pbtxt").read_text()
     # a missing value is refused, naming the placeholder and its file; nothing is written
     partial = dict(values)
     del partial["drafter_dir"]

@@ -11,7 +11,14 @@ import click
 import torch
 
 from dflash_trt.bench.runner import BenchConfig, run_bench
-from dflash_trt.cli_shared import DRAFT_CUTOFF_HELP, dtype_device_options, friendly_errors, parse_ints
+from dflash_trt.cli_shared import (
+    DRAFT_CUTOFF_HELP,
+    draft_length_option,
+    dtype_device_options,
+    friendly_errors,
+    parse_ints,
+)
+from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
 
 
 def _names(value: str) -> list[str]:
@@ -55,6 +62,7 @@ def _names(value: str) -> list[str]:
 )
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
 @click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
+@draft_length_option(DRAFT_LENGTHS, help_prefix="dflash, dflash-triton: ")
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
 @dtype_device_options("auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")
 @click.option("--warmup", default=1, show_default=True, type=int, help="Warm-up rounds (all methods) before timing.")

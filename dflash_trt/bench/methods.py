@@ -15,7 +15,9 @@ Every method reports the same `Run`: output tokens (or text for the server), tim
 token, wall time, and `accept_hist[k]` = decode passes of the target (after the pass that
 produced the first token) that emitted k tokens, from which tau and per-position acceptance
 follow for all methods alike. For HF methods the passes are seen through a streamer (one
-`put` per target pass) and timed with forward hooks on the target and the assistant.
+`put` per target pass) and timed with forward hooks on the target and the assistant. Ours with
+a drafter that has a confidence head (DSpark) also report `predicted_at`, its summed predicted
+per-position acceptance (decoding/stats.py), for the predicted-vs-actual comparison.
 `METHODS` is a registry: tests add a deliberately wrong method to it.
 """
 
@@ -61,6 +63,7 @@ class Run:
     verify_time: float = 0.0  # seconds in target passes after the first
     text: str | None = None
     drafts_verified: int | None = None  # draft tokens the target judged (ours; less than passes x (B-1) when gated)
+    predicted_at: list[float] | None = None  # ours, drafters with a confidence head: decoding/stats.py predicted_at
 
     @property
     def num_steps(self) -> int:
@@ -129,7 +132,15 @@ class DFlash(Method):
 
     def run(self, item, params):
         t0 = time.perf_counter()
-        res = generate(self.ctx.target, self.drafter, [item.ids], params, draft_cutoff=self.ctx.cfg.draft_cutoff)
+        cfg = self.ctx.cfg
+        res = generate(
+            self.ctx.target,
+            self.drafter,
+            [item.ids],
+            params,
+            draft_cutoff=cfg.draft_cutoff,
+            draft_length=cfg.draft_length,
+        )
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
         s, toks = res.stats, res.tokens[0]
@@ -142,6 +153,7 @@ class DFlash(Method):
             s.draft_time,
             s.verify_time,
             drafts_verified=s.num_draft_tokens,
+            predicted_at=list(s.predicted_at) or None,
         )
 
 
@@ -277,6 +289,13 @@ class HFPromptLookup(Method):
 
 
 # ---- Triton server ---------------------------------------------------------------------------
+def _predicted_at(perf: dict) -> list[float] | None:
+    """The confidence head's summed predictions from a response's perf_metrics (the server reports their
+    per-step mean, predicted_per_position; None without a head)."""
+    per, steps = perf.get("predicted_per_position"), sum(perf.get("accept_hist") or [])
+    return [p * steps for p in per] if per and steps else None
+
+
 @register
 class DFlashTriton(Method):
     """Ours through Triton: the streaming front door (`dflash_bls`), TTFT as the client sees it.
@@ -341,6 +360,7 @@ class DFlashTriton(Method):
             float(perf.get("verify_time") or 0.0),
             text="".join(parts),
             drafts_verified=last.get("total_draft_tokens"),
+            predicted_at=_predicted_at(perf),
         )
 
     def close(self):

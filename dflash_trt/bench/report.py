@@ -11,6 +11,9 @@ Definitions (per dataset and method, summed over prompts):
                     the one that produced the first token); 1 for plain decoding
   drafts/step       draft tokens the target judged per decode pass (B-1, or fewer with --draft-cutoff)
   P(accept i)       fraction of decode passes whose i-th drafted token was accepted
+  predicted         drafters with a confidence head (DSpark): its mean predicted P(accept i)
+                    (predicted_per_position) and the tau it implies (predicted_tau), beside the
+                    measured ones (decoding/stats.py); None for every other method
   draft/verify      seconds per decode pass drafting / in the target's verify forward
   bound             tau * t_target_step / (t_draft + t_verify): the speedup if nothing but
                     drafting and verifying cost time, t_target_step being the baseline's (else
@@ -39,6 +42,8 @@ def summarize(runs) -> dict:
     hist = [sum(r.accept_hist[k] for r in runs if k < len(r.accept_hist)) for k in range(width)]
     judged = [r.drafts_verified for r in runs if getattr(r, "drafts_verified", None) is not None]
     st = DecodeStats.from_hist(hist, sum(judged))  # tau and per-position acceptance: decoding/stats.py
+    for r in runs:  # the confidence head's summed predictions, where the drafter has one
+        st.predicted_at = _add(st.predicted_at, getattr(r, "predicted_at", None) or [])
     steps = st.num_verify_steps
     draft, verify = sum(r.draft_time for r in runs), sum(r.verify_time for r in runs)
     return {
@@ -50,10 +55,16 @@ def summarize(runs) -> dict:
         "accept_hist": hist,
         "drafts_per_step": st.drafts_per_step if judged and steps else None,
         "per_position_acceptance": st.per_position_acceptance,
+        "predicted_per_position": st.predicted_per_position or None,
+        "predicted_tau": st.predicted_tau,
         "decode_steps": steps,
         "draft_ms_per_step": 1e3 * draft / steps if steps else None,
         "verify_ms_per_step": 1e3 * verify / steps if steps else None,
     }
+
+
+def _add(a: list, b: list) -> list:
+    return [(a[i] if i < len(a) else 0.0) + (b[i] if i < len(b) else 0.0) for i in range(max(len(a), len(b)))]
 
 
 def aggregate(records: list[dict], methods: list[str]) -> list[dict]:
@@ -158,6 +169,7 @@ def build_report(
             "ttft_s": r["run"].ttft,
             "wall_s": r["run"].wall,
             "accept_hist": r["run"].accept_hist,
+            **({"predicted_at": r["run"].predicted_at} if getattr(r["run"], "predicted_at", None) else {}),
             **({"mismatch": r["mismatch"]} if r.get("mismatch") else {}),
         }
         for r in records
@@ -196,6 +208,8 @@ COLUMNS = [
     ("tau", "tau"),
     ("drafts_per_step", "drafts/step"),
     ("per_position_acceptance", "P(accept) pos 1..8"),
+    ("predicted_tau", "pred. tau"),
+    ("predicted_per_position", "pred. P(accept) 1..8"),
     ("draft_ms_per_step", "draft ms/step"),
     ("verify_ms_per_step", "verify ms/step"),
     ("bound", "bound"),
@@ -207,14 +221,14 @@ COLUMNS = [
 def fmt(key: str, v) -> str:
     if v is None:
         return "-"
-    if key == "per_position_acceptance":
+    if key in ("per_position_acceptance", "predicted_per_position"):
         return " ".join(f"{p:.2f}" for p in v[:8]) or "-"
     if key.startswith("speedup") or key == "bound":
         return f"{v:.2f}x"
     if key == "bound_reached":
         return f"{100 * v:.0f}%"
     if isinstance(v, float):
-        return f"{v:.2f}" if key == "tau" else f"{v:.3f}" if key == "mean_latency_s" else f"{v:.1f}"
+        return f"{v:.2f}" if key in ("tau", "predicted_tau") else f"{v:.3f}" if key == "mean_latency_s" else f"{v:.1f}"
     return str(v)
 
 
@@ -266,7 +280,8 @@ def render_markdown(rep: dict) -> str:
         f"device {env['device']} ({env['cuda'] or env['machine']}), {env['dtype']}, torch {env['torch']}, "
         f"transformers {env['transformers']}; temperature {cfg['temperature']}, max_new_tokens "
         f"{cfg['max_new_tokens']}, chat {'on' if cfg['chat'] else 'off'}, reference `{rep['reference']}`"
-        + (f", dflash draft cutoff {cfg['draft_cutoff']:g}" if cfg.get("draft_cutoff") else ""),
+        + (f", dflash draft cutoff {cfg['draft_cutoff']:g}" if cfg.get("draft_cutoff") else "")
+        + (f", draft length {cfg['draft_length']}" if cfg.get("draft_length", "block") != "block" else ""),
         "",
         markdown(rep["rows"]),
     ]
@@ -312,7 +327,10 @@ def print_rich(rep: dict) -> None:
         con = Console(stderr=True, width=200)
     t = Table(title=f"DFlash benchmark ({rep['environment']['device']}, T={rep['config']['temperature']})")
     for _, title in COLUMNS:
-        t.add_column(title, justify="left" if title in ("dataset", "method", "P(accept) pos 1..8") else "right")
+        t.add_column(
+            title,
+            justify="left" if title in ("dataset", "method", "P(accept) pos 1..8", "pred. P(accept) 1..8") else "right",
+        )
     for r, cells in zip(rep["rows"], table_rows(rep["rows"])):
         t.add_row(*cells, style="bold red" if r["mismatches"] else None)
     con.print(t)

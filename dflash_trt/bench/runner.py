@@ -36,7 +36,7 @@ from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, neutral_g
 from dflash_trt.bench.schedule import fit_prompt, run_schedule
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch, contention_warning
-from dflash_trt.decoding.draft_length import check_cutoff
+from dflash_trt.decoding.draft_length import check_cutoff, length_source
 from dflash_trt.decoding.engine import _eos_ids
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.cpu_pack import pack_hf_model
@@ -66,6 +66,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     block_size: int | None = None
     draft_cutoff: float = 0.0  # dflash: verify only the drafts the drafter is this sure of (decoding/draft_length.py)
+    draft_length: str = "block"  # dflash: what draft_cutoff gates: block | confidence (a DSpark confidence head)
     out_dir: str = "bench_out"
     dtype: str = "auto"
     device: str = "auto"
@@ -91,7 +92,7 @@ class BenchConfig:
             raise ConfigError(f"temperature={self.temperature}: must be >= 0")
         if any(b < 2 for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else [])):
             raise ConfigError("block sizes must be >= 2")
-        check_cutoff(self.draft_cutoff)
+        length_source(self.draft_length, check_cutoff(self.draft_cutoff))
 
 
 class BenchContext:
@@ -147,6 +148,8 @@ class BenchContext:
             max_seq_len=self.max_seq_len,
             apply_chat_template=self.chat,
             max_batch=max([16] + self.cfg.sweep_concurrency),
+            draft_cutoff=self.cfg.draft_cutoff,
+            draft_length=self.cfg.draft_length,
         )
         repo = fill_model_repo(default_template_dir(), Path(self._tmp.name) / "repo", values)
         return TritonServer(repo, startup_timeout=600).__enter__()

@@ -33,6 +33,26 @@ def check_cutoff(cutoff: float, name: str = "draft_cutoff") -> float:
     return float(cutoff)
 
 
+DRAFT_LENGTHS = ("block", "confidence")
+
+
+def length_source(draft_length: str, cutoff: float, name: str = "draft_length") -> str | None:
+    """The per-position confidence a draft length needs from the drafter's propose step:
+    None (verify the whole block), "probability" (the drafter's own probabilities, cutoff > 0) or
+    "confidence" (a learned acceptance head, DSpark's; the cutoff is then the threshold on its
+    predicted chance that every kept draft is accepted). ConfigError naming `name` otherwise."""
+    if draft_length not in DRAFT_LENGTHS:
+        raise ConfigError(f"{name}={draft_length!r}: choose one of {', '.join(DRAFT_LENGTHS)}")
+    if draft_length == "confidence":
+        if cutoff <= 0:
+            raise ConfigError(
+                f"{name}=confidence needs draft_cutoff > 0: the threshold on the confidence head's predicted "
+                f"chance that every kept draft is accepted (e.g. 0.3)"
+            )
+        return "confidence"
+    return "probability" if cutoff > 0 else None
+
+
 def draft_lengths(conf: torch.Tensor, cutoff: float) -> torch.Tensor:
     """Drafts to verify per row.
 

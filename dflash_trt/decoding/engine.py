@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
+from dflash_trt.decoding import hybrid
+from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths, length_source
+from dflash_trt.decoding.hybrid import NgramRecord
+from dflash_trt.decoding.ngram import SuffixIndex
 from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule
@@ -30,6 +33,8 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.families import dflash
 from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
+
+PROPOSERS = ("dflash", "hybrid")
 
 
 @dataclass
@@ -51,6 +56,17 @@ class _Request:
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    index: SuffixIndex | None = None  # proposer=hybrid: the row's text (prompt + output) for copied drafts
+    ngram: NgramRecord | None = None  # proposer=hybrid: how the copied drafts fared
+
+
+@dataclass
+class Proposal:
+    block: torch.Tensor  # [R, B] last token + drafts
+    q: torch.Tensor | None  # [R, B-1, V] draft distributions, None when every row is greedy
+    n_draft: torch.Tensor  # [R] drafts to verify per row
+    predicted: torch.Tensor | None  # [R, B-1] the confidence head's acceptance predictions (None: no head)
+    copied: list[bool]  # per row: drafts copied from its own text (proposer=hybrid)
 
 
 class SpecEngine:
@@ -63,6 +79,8 @@ class SpecEngine:
         kernels: str = "auto",
         cuda_graph: str = "auto",
         draft_cutoff: float = 0.0,
+        draft_length: str = "block",
+        proposer: str = "dflash",
         _capture=None,
     ):
         """kernels: "auto" | "triton" | "torch" (see modeling/fast_path.py): the drafter's context
@@ -71,6 +89,10 @@ class SpecEngine:
         (modeling/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
         draft_cutoff: verify only the leading drafts whose cumulative drafter confidence is at least
         this (decoding/draft_length.py); 0 verifies the whole block every step.
+        draft_length: "block" (the drafter's own probabilities, when draft_cutoff > 0) or "confidence"
+        (the drafter's learned acceptance head, DSpark's: the cutoff applies to its predictions).
+        proposer: "dflash" (the drafter's block) or "hybrid" (per row and round, the continuation
+        copied from the row's own text when it is expected to get more accepted; decoding/hybrid.py).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
         self.target, self.drafter = target, drafter
         self.accept_ops = fast_path.accept_ops(kernels, target.device)
@@ -80,11 +102,34 @@ class SpecEngine:
         self.kernels = kernels
         self.draft_cutoff = check_cutoff(draft_cutoff)
         self.family = getattr(drafter, "family", dflash)  # test doubles draft as plain DFlash
-        if self.draft_cutoff > 0 and self.family is not dflash:
+        self.length_source = length_source(draft_length, self.draft_cutoff)
+        offered = self.family.lengths(drafter.config) if hasattr(drafter, "config") else ("probability",)
+        if self.length_source == "probability" and "probability" not in offered:
             raise DFlashError(
-                f"draft_cutoff={draft_cutoff}: not supported for {self.family.LABEL} drafters (their drafts "
-                f"come from the candidate selector's path); use draft_cutoff=0"
+                f"draft_cutoff={draft_cutoff}: not supported for {self.family.LABEL} drafters (their drafts have "
+                f"no per-draft probability to cut at); use draft_cutoff=0"
             )
+        if self.length_source == "confidence" and "confidence" not in offered:
+            raise DFlashError(
+                f"draft_length=confidence: this {self.family.LABEL} drafter has no confidence head (DSpark "
+                f"drafters with enable_confidence_head have one); use draft_length=block"
+            )
+        if proposer not in PROPOSERS:
+            raise DFlashError(f"proposer={proposer!r}: choose one of {', '.join(PROPOSERS)}")
+        if proposer == "hybrid" and "probability" not in offered:
+            raise DFlashError(
+                f"proposer=hybrid: {self.family.LABEL} drafters give no per-draft probability to weigh against "
+                f"the copied continuation; use proposer=dflash"
+            )
+        self.proposer = proposer
+        # confidences propose returns: the length's, the hybrid choice's, and the confidence head's
+        # for the stats when it has one
+        self.needs = (
+            frozenset({self.length_source} - {None})
+            | (frozenset({"confidence"}) if "confidence" in offered else frozenset())
+            | (frozenset({"probability"}) if proposer == "hybrid" else frozenset())
+        )
+        self.variable = self.length_source is not None or proposer == "hybrid"  # rows may verify < B-1 drafts
         self.graphs = self._graphs(cuda_graph, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
@@ -130,7 +175,10 @@ class SpecEngine:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
             rule = StopRule.for_request(params, self.eos, len(ids), self.max_seq_len)
-            reqs.append(_Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids))))
+            req = _Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids)))
+            if self.proposer == "hybrid":
+                req.index, req.ngram = SuffixIndex(ids), NgramRecord()
+            reqs.append(req)
             prompts.append(ids)
         t0 = time.perf_counter()
         cap = self.max_seq_len + self.block_size
@@ -185,47 +233,59 @@ class SpecEngine:
 
     def _round(self) -> None:
         t0 = time.perf_counter()
-        block, q, n_draft = self.propose()
+        prop = self.propose()
+        block, n_draft = prop.block, prop.n_draft
         t1 = time.perf_counter()
-        # rows verify together; a shorter row's extra drafts are not judged (no host sync when ungated)
-        width = int(n_draft.max()) + 1 if self.draft_cutoff > 0 else self.block_size
+        # rows verify together; a shorter row's extra drafts are not judged (no host sync at full width)
+        width = int(n_draft.max()) + 1 if self.variable else self.block_size
         out = self.verify(block[:, :width])
-        verdict = self.accept(block[:, :width], out.logits, None if q is None else q[:, : width - 1], n_draft)
+        q = None if prop.q is None else prop.q[:, : width - 1]
+        verdict = self.accept(block[:, :width], out.logits, q, n_draft)
         t2 = time.perf_counter()
         self.rewind(verdict, out.taps)
         accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
         drafts = block[:, 1:].tolist()
+        survival = None if prop.predicted is None else prop.predicted.float().cumprod(dim=1).tolist()
         for r, req in enumerate(self.reqs):
-            a = accepted[r]
-            req.stats.record(a, drafted[r])
+            a, copied = accepted[r], prop.copied[r]
+            predicted = None if survival is None or copied else survival[r][: drafted[r]]
+            req.stats.record(a, drafted[r], predicted, copied)
+            if copied:
+                req.ngram.drafted += drafted[r]
+                req.ngram.accepted += a
             req.stats.draft_time += t1 - t0
             req.stats.verify_time += t2 - t1
             self._emit(req, drafts[r][:a] + [bonus[r]])
         self._drop_finished()
 
-    def propose(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def propose(self) -> Proposal:
         """Inject last round's target features, draft a block through the drafter's family
-        (dflash_trt/families). -> block [R, B], q [R, B-1, V] or None (all rows greedy), drafts to
-        verify per row [R]."""
+        (dflash_trt/families); with proposer=hybrid, rows whose own text offers a better continuation
+        take it instead (decoding/hybrid.py)."""
         R, B = len(self.reqs), self.block_size
         rows = [(r.params, r.generator) for r in self.reqs]
-        gated = self.draft_cutoff > 0
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
+            gated = "probability" in self.needs
             block, q, conf = dflash.choose(block, logits, None, rows, gated, warp_logits, sample_tokens)
+            conf = {} if conf is None else {"probability": conf}
         else:
             self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
             block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
             block[:, 0] = self.last
             block, q, conf = self.family.propose(
-                self.drafter, block, self.dcache, rows, gated, warp_logits, sample_tokens
+                self.drafter, block, self.dcache, rows, self.needs, warp_logits, sample_tokens
             )
-        return block, q, self._lengths(conf, R)
-
-    def _lengths(self, conf: torch.Tensor | None, R: int) -> torch.Tensor:
-        if conf is None:
-            return torch.full((R,), self.block_size - 1, dtype=torch.long, device=self.last.device)
-        return draft_lengths(conf, self.draft_cutoff)
+        if self.length_source is None:
+            n_draft = torch.full((R,), B - 1, dtype=torch.long, device=self.last.device)
+        else:
+            n_draft = draft_lengths(conf[self.length_source], self.draft_cutoff)
+        copied = [False] * R
+        if self.proposer == "hybrid":
+            proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
+            rates = [r.ngram.rate for r in self.reqs]
+            copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, rates)
+        return Proposal(block, q, n_draft, conf.get("confidence"), copied)
 
     def verify(self, block: torch.Tensor):
         """The target scores the block (the last token and the drafts to verify) in one pass:
@@ -239,7 +299,7 @@ class SpecEngine:
         ops = self.accept_ops  # decoding/verify.py, or the Triton accept kernels
         W = block.shape[1]
         if q is None:
-            if self.draft_cutoff > 0:  # drafts past a row's length become -1, never a token: it stops there
+            if self.variable:  # drafts past a row's length become -1, never a token: it stops there
                 past = torch.arange(1, W, device=block.device) > n_draft[:, None]  # [R, W-1]
                 block = torch.cat([block[:, :1], block[:, 1:].masked_fill(past, -1)], dim=1)
             return ops.greedy(block, logits)
@@ -278,6 +338,8 @@ class SpecEngine:
             return
         keep, req.finish_reason = req.rule.admit(len(req.output), tokens)
         req.output += tokens[:keep]
+        if req.index is not None:
+            req.index.extend(tokens[:keep])
         req.unsent += tokens[:keep]
         req.stats.num_output_tokens = len(req.output)
 

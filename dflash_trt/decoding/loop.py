@@ -51,12 +51,17 @@ def generate(
     kernels: str = "auto",
     cuda_graph: str = "auto",
     draft_cutoff: float = 0.0,
+    draft_length: str = "block",
+    proposer: str = "dflash",
     _capture=None,
 ) -> GenerationResult:
     """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L]).
     kernels: "auto" | "triton" | "torch", the drafter / acceptance backend (modeling/fast_path.py);
     cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (modeling/cuda_graph.py);
-    draft_cutoff: verify only the drafts the drafter is this sure of (decoding/draft_length.py; 0 = all)."""
+    draft_cutoff: verify only the drafts the drafter is this sure of (decoding/draft_length.py; 0 = all);
+    draft_length: "block" | "confidence", what the cutoff thresholds (the drafter's probabilities, or its
+    learned confidence head's predicted acceptance; decoding/draft_length.py length_source);
+    proposer: "dflash" | "hybrid" (rows may verify a continuation copied from their own text, decoding/hybrid.py)."""
     params = params or SamplingParams()
     prompts = _as_prompts(input_ids)
     need = max(len(p) for p in prompts) + params.max_new_tokens + 1
@@ -68,6 +73,8 @@ def generate(
         kernels=kernels,
         cuda_graph=cuda_graph,
         draft_cutoff=draft_cutoff,
+        draft_length=draft_length,
+        proposer=proposer,
         _capture=_capture,
     )
     t0 = time.perf_counter()

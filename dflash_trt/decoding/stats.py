@@ -15,6 +15,13 @@ Definitions (B = block size; a verify step = one target pass after prefill):
   accept_hist[k]      verify steps whose verdict was k tokens (k-1 accepted drafts + the bonus), k 1..B
   accepted_at[i]      verify steps whose draft i+1 was accepted; per-position acceptance divides it
                       by the steps
+  copied              proposer=hybrid: the verify steps whose drafts were copied from the row's own
+                      text (decoding/hybrid.py), their drafts and accepted drafts (also counted in
+                      the totals above); the drafter's share is the difference
+  predicted_at[i]     drafters with a confidence head (DSpark): the sum over verify steps of its
+                      predicted P(draft i+1 is accepted) (the running product of its per-position
+                      predictions; 0 where the draft was not verified), so predicted_per_position
+                      and predicted_tau compare with per_position_acceptance and tau
 The counts are the verdict's: drafts accepted past a stop token or the token budget count, though
 the emitted output stops there (so tau need not equal (output tokens - 1) / steps on a row's last
 step). Earlier copies disagreed here only for plain decoding (tau 0 vs 1); 1 is the definition.
@@ -32,6 +39,9 @@ _COUNTS = (
     "num_verify_steps",
     "num_draft_tokens",
     "num_accepted_draft_tokens",
+    "num_copied_steps",
+    "num_copied_draft_tokens",
+    "num_accepted_copied_tokens",
 )
 _TIMES = ("prefill_time", "draft_time", "verify_time", "wall_time")
 
@@ -59,8 +69,12 @@ class DecodeStats:
     num_verify_steps: int = 0  # target passes after prefill (decode steps for plain decoding)
     num_draft_tokens: int = 0  # drafts the target judged
     num_accepted_draft_tokens: int = 0
+    num_copied_steps: int = 0  # proposer=hybrid: steps that verified drafts copied from the text
+    num_copied_draft_tokens: int = 0
+    num_accepted_copied_tokens: int = 0
     accept_hist: list[int] = field(default_factory=list)  # [k] = verify steps that emitted k tokens (1..B)
     accepted_at: list[int] = field(default_factory=list)  # [i] = steps whose draft i+1 was accepted
+    predicted_at: list[float] = field(default_factory=list)  # [i] = sum of predicted P(draft i+1 accepted)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -88,8 +102,10 @@ class DecodeStats:
             accepted_at=[sum(hist[i + 2 :]) for i in range(max(B - 1, 0))],
         )
 
-    def record(self, accepted: int, drafted: int) -> None:
-        """One verify step that judged `drafted` drafts and accepted the first `accepted` of them."""
+    def record(self, accepted: int, drafted: int, predicted: list[float] | None = None, copied: bool = False) -> None:
+        """One verify step that judged `drafted` drafts and accepted the first `accepted` of them;
+        predicted: the confidence head's P(draft i+1 accepted) for the judged drafts, when it has one;
+        copied: the drafts came from the row's own text (proposer=hybrid), not the drafter."""
         if not 0 <= accepted <= drafted < max(self.block_size, 1):
             raise DFlashError(
                 f"DecodeStats.record(accepted={accepted}, drafted={drafted}): need "
@@ -101,6 +117,15 @@ class DecodeStats:
         self.accept_hist[accepted + 1] += 1
         for i in range(accepted):
             self.accepted_at[i] += 1
+        if copied:
+            self.num_copied_steps += 1
+            self.num_copied_draft_tokens += drafted
+            self.num_accepted_copied_tokens += accepted
+        if predicted is not None:
+            if not self.predicted_at:
+                self.predicted_at = [0.0] * (self.block_size - 1)
+            for i, p in enumerate(predicted[:drafted]):
+                self.predicted_at[i] += p
 
     @property
     def tau(self) -> float:
@@ -116,6 +141,29 @@ class DecodeStats:
         """P(draft i is accepted) for i = 1..B-1, over all verify steps."""
         s = self.num_verify_steps
         return [c / s for c in self.accepted_at] if s else []
+
+    @property
+    def predicted_per_position(self) -> list[float]:
+        """The confidence head's mean predicted P(draft i is accepted), i = 1..B-1 ([] without one)."""
+        s = self.num_verify_steps
+        return [p / s for p in self.predicted_at] if s and self.predicted_at else []
+
+    @property
+    def predicted_tau(self) -> float | None:
+        """The tau the confidence head predicted (None without one): 1 + its expected accepted drafts."""
+        per = self.predicted_per_position
+        return 1.0 + sum(per) if per else None
+
+    @property
+    def sources(self) -> dict[str, dict[str, int]]:
+        """Steps, drafts and accepted drafts per draft source: the drafter and copied text (hybrid)."""
+        copied = (self.num_copied_steps, self.num_copied_draft_tokens, self.num_accepted_copied_tokens)
+        total = (self.num_verify_steps, self.num_draft_tokens, self.num_accepted_draft_tokens)
+        keys = ("steps", "drafts", "accepted")
+        return {
+            "drafter": dict(zip(keys, (t - c for t, c in zip(total, copied)))),
+            "copied": dict(zip(keys, copied)),
+        }
 
     @property
     def drafts_per_step(self) -> float:
@@ -135,6 +183,9 @@ class DecodeStats:
             acceptance_rate=self.acceptance_rate,
             drafts_per_step=self.drafts_per_step,
             per_position_acceptance=self.per_position_acceptance,
+            predicted_per_position=self.predicted_per_position,
+            predicted_tau=self.predicted_tau,
+            sources=self.sources,
             decode_tokens_per_s=self.decode_tokens_per_s,
         )
         return d
@@ -146,6 +197,7 @@ class DecodeStats:
             setattr(self, k, getattr(self, k) + getattr(s, k))
         self.accept_hist = _add_lists(self.accept_hist, s.accept_hist)
         self.accepted_at = _add_lists(self.accepted_at, s.accepted_at)
+        self.predicted_at = _add_lists(self.predicted_at, s.predicted_at)
 
     def merge(self, other: DecodeStats) -> None:
         """Add another run's counts and times (runs one after another, e.g. over a prompt set)."""

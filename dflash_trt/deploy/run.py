@@ -117,6 +117,7 @@ STAGES = (
             "decoupled",
             "cpu_threads",
             "draft_cutoff",
+            "draft_length",
         ),
         ("engine",),
     ),

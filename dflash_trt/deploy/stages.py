@@ -227,6 +227,7 @@ def stage_repo(ctx: Context) -> dict:
         unary_instance_count=cfg.instance_count,
         cpu_threads=cfg.cpu_threads,
         draft_cutoff=cfg.draft_cutoff,
+        draft_length=cfg.draft_length,
         apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))),
     )
     repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)

@@ -2,12 +2,20 @@
 
 Boundary: the registry only. Each family is one module of this package declaring
   NAME, ARCHITECTURE, LABEL  its names (registry key, config.json architecture, prose);
-  CONFIG_KEYS                its own dflash_config fields (read dflash_config first, then top level);
+  CONFIG_KEYS, DEFAULTS      its own dflash_config fields (read dflash_config first, then top level;
+                             a key in DEFAULTS is optional, the rest are required);
+  TOP_LEVEL_TOO              fields also written at the top level of config.json (vLLM, SGLang read them there);
+  PROJECTOR_TYPE             the SpecForge `projector_type` value that names it (None: none); a
+                             DFlashDraftModel config with that projector_type is this family
+                             (SGLang's layout for Domino);
   KERNELS                    whether the Triton kernels / CUDA graph / TensorRT paths implement it;
-  check_fields(fields, cfg)  validation of those fields against the rest of the DrafterConfig;
+  check_fields(fields, cfg)  validation (and normalisation) of those fields against the DrafterConfig;
+  lengths(cfg)               the draft-length sources its propose can return ("probability",
+                             "confidence"; decoding/draft_length.py);
   build(drafter)             the extra weights it adds to a DFlashDrafter (none for plain DFlash);
   load_keys / save_keys      its checkpoint tensor names <-> the drafter's state_dict names;
-  propose(...)               how draft tokens and the q used for acceptance come from the drafter.
+  propose(...)               how draft tokens, the q used for acceptance, and the per-position
+                             confidence for the draft length come from the drafter.
 Adding a family is one module plus one entry in FAMILIES. The registry sits beside config and
 modeling rather than inside either because config (fields), modeling (weights) and decoding
 (propose) all read it; family modules import torch and errors only, so no import cycle forms.
@@ -18,9 +26,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from dflash_trt.errors import CheckpointError
-from dflash_trt.families import dflash, dflash2
+from dflash_trt.families import dflash, dflash2, domino, dspark
 
-FAMILIES: dict[str, ModuleType] = {m.ARCHITECTURE: m for m in (dflash, dflash2)}
+FAMILIES: dict[str, ModuleType] = {m.ARCHITECTURE: m for m in (dflash, dflash2, dspark, domino)}
 DEFAULT = dflash  # a config.json without `architectures`
 
 
@@ -38,6 +46,9 @@ def for_architectures(archs: list[str] | None) -> ModuleType:
     return known[0]
 
 
-def owner_of(key: str) -> ModuleType | None:
-    """The family whose own config field `key` is (None: no family's)."""
+def owner_of(key: str, value=None) -> ModuleType | None:
+    """The family whose own config field `key` is (None: no family's). `projector_type` belongs to
+    the family its value names."""
+    if key == "projector_type":
+        return next((m for m in FAMILIES.values() if m.PROJECTOR_TYPE is not None and m.PROJECTOR_TYPE == value), None)
     return next((m for m in FAMILIES.values() if key in m.CONFIG_KEYS), None)

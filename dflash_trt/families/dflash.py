@@ -13,6 +13,9 @@ import torch
 NAME, ARCHITECTURE, LABEL = "dflash", "DFlashDraftModel", "DFlash"
 CONFIG_KEYS: tuple[str, ...] = ()
 KERNELS = True
+TOP_LEVEL_TOO: tuple[str, ...] = ()
+DEFAULTS: dict = {}
+PROJECTOR_TYPE = None
 
 
 def check_fields(fields: dict, cfg) -> None:
@@ -31,17 +34,25 @@ def save_keys(state: dict) -> dict:
     return state
 
 
-def propose(drafter, block: torch.Tensor, cache, rows, gated: bool, warp, sample):
+def lengths(cfg) -> tuple[str, ...]:
+    """The draft-length sources propose can serve (decoding/draft_length.py): "probability" = the
+    drafter's probability of each draft (draft_cutoff), "confidence" = a learned acceptance head."""
+    return ("probability",)
+
+
+def propose(drafter, block: torch.Tensor, cache, rows, needs: frozenset, warp, sample):
     """block [R, B] (column 0 = last verified token, rest mask) -> (block with drafts, q [R, B-1, V] or
-    None when every row is greedy, confidence [R, B-1] for draft_cutoff or None). rows: (params,
-    generator) per row; warp(logits, params) -> probs and sample(probs, generator) -> ids."""
+    None when every row is greedy, {source: confidence [R, B-1]} for each source in `needs`, a subset
+    of lengths(cfg)). rows: (params, generator) per row; warp(logits, params) -> probs and
+    sample(probs, generator) -> ids."""
     greedy = all(p.greedy for p, _ in rows)
     vocab = getattr(drafter, "draft_vocab", None)  # ids of the drafter's logit columns (None: all)
     if greedy and vocab is not None:  # greedy drafts need only the draft vocabulary's columns
         logits = drafter.draft_logits(block, cache, full_vocab=False)  # [R, B-1, Vd]
     else:
         logits, vocab = drafter.draft_logits(block, cache), None  # [R, B-1, V]
-    return choose(block, logits, vocab, rows, gated, warp, sample)
+    block, q, conf = choose(block, logits, vocab, rows, "probability" in needs, warp, sample)
+    return block, q, ({} if conf is None else {"probability": conf})
 
 
 def choose(block: torch.Tensor, logits: torch.Tensor, vocab, rows, gated: bool, warp, sample):

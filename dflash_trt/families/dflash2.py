@@ -25,6 +25,9 @@ from dflash_trt.errors import ConfigError
 NAME, ARCHITECTURE, LABEL = "dflash2", "DFlash2DraftModel", "DFlash 2"
 CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 KERNELS = False
+TOP_LEVEL_TOO: tuple[str, ...] = ()
+DEFAULTS: dict = {}
+PROJECTOR_TYPE = None
 SELECTOR = "candidate_selector"
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")  # published without the `.weight` suffix
 
@@ -140,14 +143,82 @@ def save_keys(state: dict) -> dict:
     return {rename.get(k, k): v for k, v in state.items()}
 
 
-def propose(drafter, block: torch.Tensor, cache, rows, gated: bool, warp, sample):
+def lengths(cfg) -> tuple[str, ...]:
+    """No draft-length source: the drafts come from the selector's path, not from per-position q."""
+    return ()
+
+
+def propose(drafter, block: torch.Tensor, cache, rows, needs: frozenset, warp, sample):
     """As families/dflash.propose: block [R, B] -> (block with the selected path, q [R, B-1, V] or None
-    when every row is greedy, None: draft_cutoff is refused for this family). warp and sample are
+    when every row is greedy, {}: no confidence source, see lengths). warp and sample are
     unused: q has no top-k / top-p, and the walk draws its candidates itself."""
     hidden = drafter.draft_block(block, cache)[:, 1:]  # [R, B-1, d]
     logits = drafter.finish_logits(drafter.head_logits(hidden))  # [R, B-1, V]
     path, cand, q = drafter.candidate_selector.walk(hidden, logits, block[:, 0], rows)
     block[:, 1:] = path
     if all(p.greedy for p, _ in rows):
-        return block, None, None
-    return block, torch.zeros_like(logits).scatter_(-1, cand, q), None
+        return block, None, {}
+    return block, torch.zeros_like(logits).scatter_(-1, cand, q), {}
+
+
+# ---- training (train/objective.family_loss) ------------------------------------------------------
+# No training code for DFlash 2 has been published: this objective is derived from the inference path
+# above. The training forward (train/objective.drafter_train_forward) runs each layer's convolutions
+# over every block's own positions, as draft_block does; the selector is trained on the walk that
+# greedy decoding takes when every draft is right, i.e. with the true previous token.
+
+
+def init_heads(drafter) -> None:
+    """Warm start on a trained plain backbone: both convolutions the identity (base tap 1 at offset
+    0, dynamic projection 0) and the selector's hidden projection small (pair scores near 0: the walk
+    takes the backbone's argmax), not 0, so that every selector weight has a gradient from step 1."""
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+        proj = drafter.candidate_selector.hidden_projection.weight  # [r, d]
+        proj.normal_(0.0, 0.01 * proj.shape[1] ** -0.5)
+
+
+def selector_scores(drafter, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor):
+    """Teacher-forced selector: hidden [M, n, d], draft logits [M, n, V], prev [M, n] the token before
+    each position -> (candidates [M, n, k], scores [M, n, k]) as walk scores them when its path is prev."""
+    sel = drafter.candidate_selector
+    unary, cand = torch.topk(logits, sel.top_k, dim=-1)  # [M, n, k] each
+    ctx = sel.predecessor_codebook(prev) * sel.hidden_projection(hidden)  # [M, n, r]
+    return cand, unary + torch.einsum("mnr,mnkr->mnk", ctx, sel.successor_codebook(cand))
+
+
+def train_logits(drafter, hidden, block_ids, labels) -> torch.Tensor:
+    """What the walk's q is the softmax of (temperature 1) when its path is the labels: the candidates'
+    scores on the vocabulary, -inf elsewhere. hidden [N, J, B, d], block_ids [N, J, B], labels
+    [N, J, B-1] -> [N, J, B-1, V] float32."""
+    h = hidden[:, :, 1:].flatten(0, 1)  # [NJ, B-1, d]
+    logits = drafter.finish_logits(drafter.head_logits(h))
+    prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).flatten(0, 1)
+    cand, scores = selector_scores(drafter, h, logits, prev)
+    full = torch.full_like(logits, float("-inf")).scatter_(-1, cand, scores)
+    return full.view(*labels.shape, -1)
+
+
+def train_terms(drafter, hidden, block_ids, labels, teacher=None, selector_alpha: float = 1.0):
+    """hidden [N, J, B, d] of the training forward, block_ids [N, J, B], labels [N, J, B-1] (tokens of
+    block positions 1..B-1) -> ([(alpha, per-position loss [N, J, B-1])], greedy drafts [N, J, B-1]).
+    Per position k: CE(draft logits_k, label_k) (as plain DFlash) + selector_alpha * CE over the k
+    candidates' scores with the label's candidate as target, when the label is among the top-k
+    (otherwise that position has the first term only); the scores' previous token is the true one.
+    teacher is unused."""
+    h = hidden[:, :, 1:].flatten(0, 1)  # [NJ, B-1, d]
+    logits = drafter.finish_logits(drafter.head_logits(h))  # [NJ, B-1, V]
+    prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).flatten(0, 1)  # [NJ, B-1]
+    cand, scores = selector_scores(drafter, h, logits, prev)
+    shape, flat = labels.shape, labels.flatten(0, 1)
+    base = F.cross_entropy(logits.flatten(0, 1), flat.flatten(), reduction="none").view(shape)
+    hit = cand == flat[..., None]  # [NJ, B-1, k]
+    found = hit.any(-1)
+    sel = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
+    sel = torch.where(found.flatten(), sel, torch.zeros_like(sel)).view(shape)
+    predicted = cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0].view(shape)
+    return [(1.0, base), (selector_alpha, sel)], predicted

@@ -14,6 +14,7 @@ the engine's). Metrics go to an optional object with the hooks of `NullMetrics`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -42,6 +43,10 @@ class NullMetrics:
     def request(self) -> None: ...
     def step(self, verify_steps: int, draft_tokens: int, accepted_tokens: int, output_tokens: int) -> None: ...
     def finished(self, progress: Progress) -> None: ...
+
+    # a finished request's per-position counts: [i] = its verify steps whose draft i+1 was accepted, and
+    # the confidence head's summed predictions of that ([] without a head): decoding/stats.py
+    def positions(self, accepted_at: list[int], predicted_at: list[float]) -> None: ...
     def cancelled(self) -> None: ...
     def running(self, n: int) -> None: ...
 
@@ -272,9 +277,16 @@ class Orchestrator:
                 "verify_time": s.verify_time,
                 "accept_hist": list(s.accept_hist),
                 "block_size": s.block_size,
+                "per_position_acceptance": list(getattr(s, "per_position_acceptance", [])),
             }
+            if getattr(s, "predicted_tau", None) is not None:  # a drafter with a confidence head (DSpark)
+                perf.update(predicted_per_position=list(s.predicted_per_position), predicted_tau=s.predicted_tau)
         p = job.progress(job.sent if job.req.sampling.stream else 0, perf)
         self.metrics.finished(p)
+        s = job.stats
+        self.metrics.positions(
+            list(getattr(s, "accepted_at", None) or []), list(getattr(s, "predicted_at", None) or [])
+        )
         self._safe(job, lambda j: j.sink.send(p, True))
 
     def _fail_running(self, message: str) -> None:
@@ -291,6 +303,7 @@ def load_engine_factory(
     max_seq_len: int = 2048,
     dtype: str = "auto",
     draft_cutoff: float = 0.0,
+    draft_length: str = "block",
 ) -> Callable[[], object]:
     """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
     failure). Missing or mismatched folders raise DFlashError naming the file."""
@@ -303,10 +316,10 @@ def load_engine_factory(
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
     # deferred: the Triton text models import this module (through triton_dflash) and must not load torch and the engine
     from dflash_trt.api import load_drafter, load_target
-    from dflash_trt.decoding.draft_length import check_cutoff
+    from dflash_trt.decoding.draft_length import check_cutoff, length_source
     from dflash_trt.decoding.engine import SpecEngine
 
-    check_cutoff(draft_cutoff)
+    length_source(draft_length, check_cutoff(draft_cutoff))
 
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
     if not (target_dir / "config.json").is_file():
@@ -318,6 +331,13 @@ def load_engine_factory(
     drafter = load_drafter(target, str(drafter_dir)).eval()
     # cuda_graph off: under continuous batching the rows change almost every step and each change
     # would recapture the graph (modeling/cuda_graph.py), costing more than replay saves
-    return lambda: SpecEngine(
-        target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graph="off", draft_cutoff=draft_cutoff
+    return functools.partial(
+        SpecEngine,
+        target,
+        drafter,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        cuda_graph="off",
+        draft_cutoff=draft_cutoff,
+        draft_length=draft_length,
     )

@@ -2,14 +2,17 @@
 
 Boundary: glue between pb_utils and the Orchestrator; imported only inside the backend stub
 (model_repo/dflash/1/model.py re-exports TritonPythonModel). Model parameters: target_dir,
-drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff. Every request
+drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff, draft_length. Every request
 gets its own response sender; `execute` only parses and queues, the orchestrator's thread sends. A
 request holding only `cancel_key` cancels the running request whose `request_key` matches (how the text front doors
 propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
 Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_tokens_total,
 dflash_accepted_tokens_total, dflash_output_tokens_total, dflash_cancelled_requests_total
 (counters), dflash_running_requests (gauge), dflash_acceptance_length (histogram of tokens per
-verify step, per finished request).
+verify step, per finished request), dflash_accepted_at_position_total{position="i"} (verify
+steps whose draft i was accepted: over dflash_draft_steps_total, the per-position acceptance) and,
+for drafters with a confidence head, dflash_predicted_at_position_total{position="i"} (the head's
+summed predictions of the same).
 """
 
 from __future__ import annotations
@@ -104,6 +107,35 @@ class _Metrics:
                 pb_utils.MetricFamily.GAUGE,
             ).Metric(labels=labels)
         self._running = -1
+        self._labels = labels
+        self._accepted_at: list = []  # per-position counters, made on first use
+        self._predicted_at: list = []
+
+    def _per_position(self, metrics: list, name: str, desc: str, n: int) -> list:
+        if not metrics and n:
+            fam = pb_utils.MetricFamily(name=name, description=desc, kind=pb_utils.MetricFamily.COUNTER)
+            self._families.append(fam)
+            metrics += [fam.Metric(labels={**self._labels, "position": str(i + 1)}) for i in range(n)]
+        return metrics
+
+    def positions(self, accepted_at, predicted_at):
+        for metrics, name, desc, values in (
+            (
+                self._accepted_at,
+                "dflash_accepted_at_position_total",
+                "Verify steps whose draft at this block position was accepted",
+                accepted_at,
+            ),
+            (
+                self._predicted_at,
+                "dflash_predicted_at_position_total",
+                "Confidence head's summed predicted acceptance of the draft at this position (DSpark drafters)",
+                predicted_at,
+            ),
+        ):
+            for m, v in zip(self._per_position(metrics, name, desc, len(values)), values):
+                if v:
+                    m.increment(v)
 
     def request(self):
         self.requests.increment(1)
@@ -154,10 +186,13 @@ class TritonPythonModel:
                 int(params.get("max_seq_len", "2048")),
                 params.get("dtype", "auto"),
                 float(params.get("draft_cutoff", "0") or 0),
+                params.get("draft_length", "block") or "block",
             )
+            # the first engine: a drafter the options do not fit (draft_length=confidence without a
+            # confidence head) fails here, at load, with the engine's one-line message
+            self.orch = Orchestrator(factory)
         except (DFlashError, ValueError) as e:
             raise pb_utils.TritonModelException(f"dflash: cannot load the engine: {e}") from None
-        self.orch = Orchestrator(factory)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.orch.metrics = _Metrics(labels, self.orch.engine.block_size)
         self.orch.start()

@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 
 from dflash_trt.api import load_target, load_tokenizer
-from dflash_trt.cli_shared import dtype_device_options, friendly_errors, parse_floats, parse_ints
+from dflash_trt.cli_shared import draft_length_option, dtype_device_options, friendly_errors, parse_floats, parse_ints
 from dflash_trt.config import field_help, load_yaml_dataclass
+from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
 from dflash_trt.errors import DFlashError
 from dflash_trt.train.corpus import agreement, load_texts, score_corpus
 from dflash_trt.train.data import generate_data, read_sequences
@@ -169,10 +170,22 @@ def train_cmd(config_path, **overrides):
     help="Comma-separated draft cutoffs to run, e.g. 0,0.1: verify only the leading drafts whose "
     "running product of drafter probabilities is at least this (default 0: every draft).",
 )
+@draft_length_option(DRAFT_LENGTHS)
 @click.option("--json-out", default=None, help="Also write the results as JSON here.")
 @friendly_errors
 def eval_cmd(
-    target, drafter_dir, source, limit, max_new_tokens, chat, dtype, device, block_sizes, draft_cutoffs, json_out
+    target,
+    drafter_dir,
+    source,
+    limit,
+    max_new_tokens,
+    chat,
+    dtype,
+    device,
+    block_sizes,
+    draft_cutoffs,
+    draft_length,
+    json_out,
 ):
     """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
     res = evaluate(
@@ -186,6 +199,7 @@ def eval_cmd(
         device=device,
         block_sizes=parse_ints(block_sizes, "--block-size") or None,
         draft_cutoffs=parse_floats(draft_cutoffs, "--draft-cutoff") or None,
+        draft_length=draft_length,
     )
     print_eval(res)
     if json_out:

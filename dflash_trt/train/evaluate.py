@@ -22,7 +22,7 @@ from dflash_trt.api import (
 )
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch, contention_warning
-from dflash_trt.decoding.draft_length import check_cutoff
+from dflash_trt.decoding.draft_length import check_cutoff, length_source
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import DFlashError
@@ -41,16 +41,18 @@ def evaluate(
     block_sizes: list[int] | None = None,
     device: str = "auto",
     draft_cutoffs: list[float] | None = None,
+    draft_length: str = "block",
 ) -> dict:
     """DFlash at each of `block_sizes` (default: the drafter's own) x `draft_cutoffs` (default 0: verify
     every draft; decoding/draft_length.py) against the baseline, per prompt interleaved. A drafter
     trained at B runs at any smaller block (fewer MASK slots): a CPU, where a verify pass costs more
     per token than on a GPU, often pays off best at a block well below B, or at B with the verify
     width cut to the drafts the drafter is sure of. The top-level fields are those of the first
-    configuration; "sweep" lists every one."""
+    configuration; "sweep" lists every one. draft_length: what the cutoffs gate ("block": the drafter's
+    probabilities; "confidence": a DSpark drafter's confidence head, every cutoff then > 0)."""
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
     for c in cutoffs:  # before any model loads
-        check_cutoff(c, "--draft-cutoff")
+        length_source(draft_length, check_cutoff(c, "--draft-cutoff"), "--draft-length")
     prompts = load_prompts(source, limit)
     if target_model is None:
         tgt, path = load_target(target, dtype, device=device)
@@ -76,7 +78,7 @@ def evaluate(
         generate_baseline(tgt, [ids], short)
         for b, c in configs:
             set_block_size(drafter, b)
-            generate(tgt, drafter, [ids], short, draft_cutoff=c)
+            generate(tgt, drafter, [ids], short, draft_cutoff=c, draft_length=draft_length)
     with CpuWatch() as watch:
         for p in prompts:
             ids = encode(tok, p, chat)
@@ -84,7 +86,7 @@ def evaluate(
             base.merge(b_out.stats)
             for b, c in configs:
                 set_block_size(drafter, b)
-                a = generate(tgt, drafter, [ids], params, draft_cutoff=c)
+                a = generate(tgt, drafter, [ids], params, draft_cutoff=c, draft_length=draft_length)
                 mismatches += a.tokens != b_out.tokens
                 spec[b, c].merge(a.stats)
     if mismatches and inexact_greedy_note(tgt.dtype) is None:
@@ -98,10 +100,13 @@ def evaluate(
         return {
             "block_size": b,
             "draft_cutoff": c,
+            "draft_length": draft_length,
             "tau": st.tau,
+            "predicted_tau": st.predicted_tau,
             "verified_drafts_per_step": st.drafts_per_step,
             "acceptance_rate": st.acceptance_rate,
             "per_position_acceptance": st.per_position_acceptance,
+            "predicted_per_position": st.predicted_per_position,
             "accept_hist": st.accept_hist,
             "dflash_tokens_per_s": st.decode_tokens_per_s,
             "speedup": st.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None,
@@ -160,3 +165,8 @@ def print_eval(res: dict) -> None:
             f"per-position acceptance (block {r['block_size']}, cutoff {r.get('draft_cutoff', 0.0):g}): "
             + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
         )
+        if r.get("predicted_tau") is not None:  # a drafter with a confidence head: its prediction beside
+            Console().print(
+                f"  predicted by the confidence head: tau {r['predicted_tau']:.2f}, per position "
+                + " ".join(f"{p:.2f}" for p in r["predicted_per_position"])
+            )

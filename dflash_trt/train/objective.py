@@ -9,6 +9,9 @@ x_{a+1}..x_{a+B-1}, exactly as at inference where the block opens with the last 
 Its queries see the context features of positions < a (their K/V injected by each layer's own
 k_proj/v_proj, as in inject_context) and the B entries of their own block, never another
 block. The mask is [J*B, S + J*B] per sequence: O(J*B*S), never O(S^2) per block.
+
+dflash_loss is plain DFlash's loss; family_loss is every family's (plain DFlash's included): the same
+forward, then the family module's train_terms (dflash_trt/families) reduced with the same weights.
 """
 
 from __future__ import annotations
@@ -133,11 +136,11 @@ def block_mask(anchors: torch.Tensor, valid: torch.Tensor, S: int, B: int) -> to
 
 
 def drafter_train_forward(drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch) -> torch.Tensor:
-    """All blocks of every sequence in one pass. taps [N, S, n_taps*d] -> hidden [N, J, B, d] (after norm)."""
-    if (
-        drafter.config.family.NAME != "dflash"
-    ):  # another family's weights (DFlash 2 convolutions) are not in this forward
-        raise ConfigError(f"training a {drafter.config.family.LABEL} drafter is not supported (plain DFlash only)")
+    """All blocks of every sequence in one pass. taps [N, S, n_taps*d] -> hidden [N, J, B, d] (after norm).
+
+    A family's convolutions around attention and MLP (DFlash 2: layer.attention_conv / mlp_conv) run
+    as draft_block runs them, over each block's own B positions: [N, J*B, d] is viewed as [N*J, B, d]
+    so that no convolution reads across a block boundary."""
     N, J, B = blocks.block_ids.shape
     S = taps.shape[1]
     target = drafter.target
@@ -155,17 +158,34 @@ def drafter_train_forward(drafter: DFlashDrafter, taps: torch.Tensor, blocks: Bl
     for i, layer in enumerate(drafter.layers):
         visible = _layer_mask(plain, pos[:, :, None], key_pos, *drafter.config.layer_attention(i))[:, None]
         attn = layer.self_attn
+        ac, mc = layer.attention_conv, layer.mlp_conv  # None but for a family that adds them
         k_ctx, v_ctx = attn.kv(ctx, ccos, csin)
         h = layer.input_layernorm(x)
+        if ac is not None:
+            h, finish = _per_block(ac.prepare, h, B)
         k_blk, v_blk = attn.kv(h, bcos, bsin)
         q = attn.q(h, bcos, bsin)
         k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=visible, scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads
         )
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(N, J * B, -1))
-        x = x + layer.ffn(layer.post_attention_layernorm(x))
+        h = attn.o_proj(o.transpose(1, 2).reshape(N, J * B, -1))
+        x = x + (h if ac is None else _per_block(ac.finish, h, B, finish))
+        h = layer.post_attention_layernorm(x)
+        if mc is not None:
+            h, finish = _per_block(mc.prepare, h, B)
+        h = layer.ffn(h)
+        x = x + (h if mc is None else _per_block(mc.finish, h, B, finish))
     return drafter.norm(x).view(N, J, B, -1)
+
+
+def _per_block(fn, x: torch.Tensor, B: int, *extra):
+    """fn over x [N, J*B, d] seen as [N*J, B, d] (one row per block); results back in [N, J*B, ...]."""
+    N = x.shape[0]
+    out = fn(x.reshape(-1, B, x.shape[-1]), *extra)
+    if isinstance(out, tuple):
+        return tuple(t.reshape(N, -1, *t.shape[2:]) for t in out[:1]) + out[1:]
+    return out.reshape(N, -1, out.shape[-1])
 
 
 def _layer_mask(
@@ -201,32 +221,86 @@ def dflash_loss(
 
     With soft [N, J, B-1, Vd] (teacher probabilities, distill.soft_labels) and kd_weight a, each
     position's term is (1 - a) * CE(hard label) + a * CE(soft label); a hard label outside the
-    draft vocabulary then still has its soft term. Accuracy and tau_est always use hard labels."""
-    hidden = drafter_train_forward(drafter, taps, blocks)[:, :, 1:]  # [N, J, B-1, d]
-    logits = drafter.finish_logits(drafter.head_logits(hidden))  # [N, J, B-1, Vd]
+    draft vocabulary then still has its soft term. Accuracy and tau_est always use hard labels.
+    A family with a head of its own (train_terms) is refused: its loss is family_loss's."""
+    if getattr(drafter.config.family, "train_terms", None) is not None:
+        raise ConfigError(
+            f"dflash_loss trains plain DFlash drafters; a {drafter.config.family.LABEL} drafter's loss is family_loss"
+        )
+    return _plain_loss(drafter, drafter_train_forward(drafter, taps, blocks), blocks, gamma, soft, kd_weight)
+
+
+def _plain_loss(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,  # [N, J, B, d]
+    blocks: BlockBatch,
+    gamma: float,
+    soft: torch.Tensor | None = None,
+    kd_weight: float = 0.0,
+) -> LossOutput:
+    """dflash_loss from the training forward's hidden states."""
+    logits = drafter.finish_logits(drafter.head_logits(hidden[:, :, 1:]))  # [N, J, B-1, Vd]
     labels = blocks.labels  # [N, J, B-1] token ids
     if drafter.draft_vocab is not None:  # token ids -> draft-vocab indices; outside: no loss, never correct
         dv = drafter.draft_vocab.to(labels.device)
         idx = torch.searchsorted(dv, labels.contiguous()).clamp_max(len(dv) - 1)
         labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
-    B = blocks.block_ids.shape[-1]
-    w = position_weights(B, gamma).to(logits.device)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none", ignore_index=-100).view_as(labels)
     if soft is not None and kd_weight > 0:
         soft_ce = -(soft.to(logits.dtype) * logits.log_softmax(-1)).sum(-1)  # [N, J, B-1]
         ce = (1.0 - kd_weight) * ce + kd_weight * soft_ce
+    return _reduce(blocks, gamma, [(1.0, ce)], logits.argmax(-1), labels)
+
+
+def _reduce(blocks: BlockBatch, gamma: float, terms: list, predicted: torch.Tensor, labels: torch.Tensor):
+    """Weighted loss and statistics. terms: (alpha, per-position loss [N, J, B-1]) pairs, each reduced
+    as sum over valid blocks of (sum_k w_k * term_k * counts_k) / sum_k w_k, divided by the number of
+    valid blocks; predicted / labels [N, J, B-1] the greedy drafts (teacher-forced) and their labels."""
+    B = blocks.block_ids.shape[-1]
+    w = position_weights(B, gamma).to(predicted.device)
     vmask = blocks.valid.float()
     n = vmask.sum().clamp_min(1.0)
-    lmask = vmask[..., None].expand_as(ce)  # [N, J, B-1]
+    lmask = vmask[..., None].expand_as(labels)  # [N, J, B-1]
     if blocks.label_mask is not None:  # unlabeled positions add nothing; the per-block scale stays w.sum()
         lmask = lmask * blocks.label_mask.float()
-    loss = ((ce * w * lmask).sum(-1) / w.sum()).sum() / n
+    loss = sum(alpha * ((term * w * lmask).sum(-1) / w.sum()).sum() / n for alpha, term in terms)
     with torch.no_grad():
-        correct = (logits.argmax(-1) == labels).float() * lmask  # [N, J, B-1]
+        correct = (predicted == labels).float() * lmask  # [N, J, B-1]
         acc = correct.sum((0, 1)) / lmask.sum((0, 1)).clamp_min(1.0)
         # an unlabeled position ends the accepted prefix: tau_est is then a lower bound
         accepted = correct.cumprod(-1).sum(-1).sum() / n
     return LossOutput(loss, acc, accepted, int(vmask.sum().item()))
+
+
+def family_loss(
+    drafter: DFlashDrafter,
+    taps: torch.Tensor,  # [N, S, n_taps*d]
+    blocks: BlockBatch,
+    gamma: float,
+    soft: torch.Tensor | None = None,
+    kd_weight: float = 0.0,
+    target_logits: torch.Tensor | None = None,
+    **options,
+) -> LossOutput:
+    """The training loss of the drafter's own family: dflash_loss for plain DFlash, otherwise the
+    family module's train_terms (dflash_trt/families) reduced as dflash_loss reduces its CE.
+
+    target_logits [N, S, V]: the target's logits at every sequence position (TargetModel.forward),
+    for objectives that match the target's distribution (DSpark's L1 and confidence terms); soft /
+    kd_weight: plain DFlash only. options: the family's own weights (see its train_terms)."""
+    hidden = drafter_train_forward(drafter, taps, blocks)  # [N, J, B, d]
+    terms_of = getattr(drafter.config.family, "train_terms", None)
+    if terms_of is None:  # a family without a head of its own trains as plain DFlash
+        return _plain_loss(drafter, hidden, blocks, gamma, soft, kd_weight)
+    if soft is not None and kd_weight > 0:
+        raise ConfigError(f"kd_weight={kd_weight}: soft labels are not supported for {drafter.config.family.LABEL}")
+    teacher = None
+    if target_logits is not None:  # the target's distribution over the token of block position k
+        at = blocks.positions[..., :-1].flatten(1)  # [N, J*(B-1)]: position a+k-1 predicts token a+k
+        teacher = target_logits.gather(1, at[..., None].expand(-1, -1, target_logits.shape[-1]))
+        teacher = teacher.view(*blocks.labels.shape, -1)  # [N, J, B-1, V]
+    terms, predicted = terms_of(drafter, hidden, blocks.block_ids, blocks.labels, teacher, **options)
+    return _reduce(blocks, gamma, terms, predicted, blocks.labels)
 
 
 def cosine_lr(step: int, total: int, peak: float, warmup_ratio: float) -> float:

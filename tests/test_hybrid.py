@@ -1,0 +1,98 @@
+"""Hybrid proposer (decoding/hybrid.py + ngram.py in the engine): greedy output equals the target's
+(batch 3, ragged), copied drafts do get accepted where the text repeats itself, sampled output
+follows the target's distribution (chi-square), the choice rule itself, and the one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from test_loop import _exact_marginals
+from test_verify import chi2_pvalue
+
+from dflash_trt.config import DrafterConfig, SamplingParams
+from dflash_trt.decoding import hybrid
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.ngram import NgramProposal
+from dflash_trt.errors import DFlashError
+from dflash_trt.modeling.drafter import DFlashDrafter
+
+
+def _looping_target(V: int = 12):
+    """A tiny target whose greedy text falls into short cycles (peaky LM head): its output repeats
+    earlier text, which is what copied drafts are for."""
+    t = tiny_target("qwen3", vocab_size=V)
+    with torch.no_grad():
+        t.lm_head.weight.mul_(6.0)
+    return t
+
+
+def test_greedy_hybrid_equals_target_greedy_and_copies_get_accepted():
+    t = _looping_target()
+    d = tiny_drafter(t, block_size=4)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    base = generate_baseline(t, prompts, params).tokens
+    out = generate(t, d, prompts, params, kernels="torch", proposer="hybrid")
+    assert out.tokens == base
+    src = out.stats.sources
+    assert src["copied"]["steps"] > 0 and src["copied"]["accepted"] > 0, src
+    plain = generate(t, d, prompts, params, kernels="torch")
+    assert out.stats.num_verify_steps < plain.stats.num_verify_steps  # copying paid here
+
+
+def test_hybrid_with_draft_cutoff_stays_exact():
+    t = _looping_target()
+    d = tiny_drafter(t, block_size=4)
+    prompts, params = [[5, 6, 7], [1, 2]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    out = generate(t, d, prompts, params, kernels="torch", proposer="hybrid", draft_cutoff=0.2)
+    assert out.tokens == generate_baseline(t, prompts, params).tokens
+
+
+def test_sampled_hybrid_distribution_equals_target():
+    """Copied drafts are point masses: accepted with probability p(token), else the residual. Tokens 2
+    and 3 follow the target's own distribution (chi-square), with copies verified on many rows."""
+    V, N, prompt = 12, 3000, [4, 2, 3, 4, 2]  # "4 2" seen before: copies "3 4 2" (target: p(3) = 0.51)
+    t = tiny_target("qwen3", vocab_size=V)
+    with torch.no_grad():
+        t.lm_head.weight.mul_(8.0)
+    d = tiny_drafter(t, block_size=4, scale=0.3)  # an unsure drafter: the copy wins the first round
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=1000, ignore_eos=True)
+    out = generate(t, d, [prompt] * N, params, kernels="torch", proposer="hybrid")
+    src = out.stats.sources["copied"]
+    assert src["steps"] > N // 10 and 0 < src["accepted"] < src["drafts"], src  # copies judged, both verdicts
+    for col, exp in zip((1, 2), _exact_marginals(t, prompt, V)):
+        got = torch.bincount(torch.tensor([x[col] for x in out.tokens]), minlength=V).numpy()
+        keep = exp * N > 5
+        assert chi2_pvalue(got[keep.numpy()], exp[keep]) > 1e-3
+
+
+def test_choose_takes_the_copy_only_when_it_expects_more():
+    block = torch.tensor([[5, 1, 1, 1], [5, 1, 1, 1]])
+    q = torch.full((2, 3, 8), 0.125)
+    n = torch.tensor([3, 3])
+    prob = torch.tensor([[0.9, 0.9, 0.9], [0.1, 0.1, 0.1]])  # drafter expects 2.44 and 0.11 accepted
+    props = [NgramProposal([6, 7], 3), NgramProposal([6, 7], 3)]
+    chosen = hybrid.choose(block, q, n, prob, props, [0.5, 0.5])  # copy expects 0.75
+    assert chosen == [False, True]
+    assert block.tolist() == [[5, 1, 1, 1], [5, 6, 7, 1]] and n.tolist() == [3, 2]
+    assert q[1, 0, 6] == 1 and q[1, 0].sum() == 1 and q[1, 1, 7] == 1 and torch.equal(q[0], torch.full((3, 8), 0.125))
+    assert hybrid.choose(block, None, n, prob, [NgramProposal([], 0)] * 2, [0.9, 0.9]) == [False, False]
+
+
+def test_refusals_are_one_line():
+    t = tiny_target("qwen3")
+    with pytest.raises(DFlashError, match="proposer='suffix': choose one of dflash, hybrid"):
+        SpecEngine(t, tiny_drafter(t), kernels="torch", proposer="suffix")
+    cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
+    cfg = dataclasses.replace(
+        cfg,
+        architectures=["DFlash2DraftModel"],
+        family_fields={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 3},
+    )
+    with pytest.raises(DFlashError, match="proposer=hybrid: DFlash 2 drafters give no per-draft probability") as e:
+        SpecEngine(t, DFlashDrafter(cfg).bind(t), kernels="torch", proposer="hybrid")
+    assert "\n" not in str(e.value)
