@@ -244,8 +244,10 @@ def run_generate(
     cuda_graph: str = "auto",
     draft_cutoff: float = 0.0,
     draft_length: str = "block",
+    proposer: str = "dflash",
 ) -> Comparison:
-    """DFlash generation (and optionally the autoregressive baseline, measured right after)."""
+    """DFlash generation (and optionally the autoregressive baseline, measured right after).
+    proposer: "dflash" | "ngram" | "hybrid", where the drafts come from (decoding/engine.py PROPOSERS)."""
     out = generate(
         target,
         drafter,
@@ -255,6 +257,7 @@ def run_generate(
         cuda_graph=cuda_graph,
         draft_cutoff=draft_cutoff,
         draft_length=draft_length,
+        proposer=proposer,
     )
     toks = out.tokens[0]
     cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())

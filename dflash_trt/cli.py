@@ -12,9 +12,16 @@ import json
 import click
 
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
-from dflash_trt.cli_shared import DRAFT_CUTOFF_HELP, draft_length_option, dtype_device_options, friendly_errors
+from dflash_trt.cli_shared import (
+    DRAFT_CUTOFF_HELP,
+    draft_length_option,
+    dtype_device_options,
+    friendly_errors,
+    proposer_option,
+)
 from dflash_trt.config import SamplingParams, field_help
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS, length_source
+from dflash_trt.decoding.engine import PROPOSERS
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
 from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
@@ -99,6 +106,7 @@ def models_list():
     help=DRAFT_CUTOFF_HELP,
 )
 @draft_length_option(DRAFT_LENGTHS)
+@proposer_option(PROPOSERS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(
@@ -120,6 +128,7 @@ def generate(
     cuda_graph,
     draft_cutoff,
     draft_length,
+    proposer,
     as_json,
 ):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
@@ -149,6 +158,7 @@ def generate(
         cuda_graph=cuda_graph,
         draft_cutoff=draft_cutoff,
         draft_length=draft_length,
+        proposer=proposer,
     )
     if as_json:
         click.echo(
@@ -184,6 +194,14 @@ def print_stats(res, block_size: int, temperature: float) -> None:
             "drafts verified",
             f"{s['drafts_per_step']:.1f} per step "
             f"(of {block_size - 1}), {s['acceptance_rate']:.0%} of them accepted",
+        )
+    copied = (s.get("sources") or {}).get("copied") or {}
+    if copied.get("steps"):  # proposer ngram / hybrid: the drafts copied from the prompt and output
+        d = s["sources"]["drafter"]
+        t.add_row(
+            "draft sources",
+            f"copied {copied['accepted']}/{copied['drafts']} accepted in {copied['steps']} steps; "
+            f"drafter {d['accepted']}/{d['drafts']} in {d['steps']} steps",
         )
     t.add_row("decode speed", f"{s['decode_tokens_per_s']:.1f} tok/s")
     t.add_row(

@@ -24,10 +24,31 @@ DRAFT_CUTOFF_HELP = (
     "width, it skips drafts that would be rejected anyway."
 )
 DRAFT_LENGTH_HELP = (
-    "What --draft-cutoff thresholds: block = the drafter's own probabilities (cutoff 0 verifies the "
-    "whole block); confidence = the drafter's learned confidence head (DSpark drafters with one), "
-    "its predicted chance that every kept draft is accepted (needs --draft-cutoff > 0)."
+    "How many drafts to verify: block = the whole block, or with --draft-cutoff > 0 the leading drafts the "
+    "drafter's own probabilities are sure of; confidence = the drafter's learned confidence head (DSpark "
+    "drafters with one), its predicted chance that every kept draft is accepted >= --draft-cutoff (> 0); "
+    "cost = the width with the most expected tokens per second under this machine's verify cost, measured "
+    "at start-up (no cutoff)."
 )
+
+PROPOSER_HELP = (
+    "Where the drafts come from: dflash = the drafter's block; ngram = the continuation copied from the "
+    "row's own text (prompt + output; the drafter is not run); hybrid = per round, the copy when it is "
+    "expected to get more drafts accepted than the drafter's block. All lossless."
+)
+
+
+def proposer_option(choices, flag: str = "--proposer", help_prefix: str = ""):
+    """--proposer: `choices` from the caller (decoding/engine.py PROPOSERS, the one home of the values and
+    their validation; this module imports no library code)."""
+    return click.option(
+        flag,
+        "proposer",
+        type=click.Choice(list(choices)),
+        default=choices[0],
+        show_default=True,
+        help=help_prefix + PROPOSER_HELP,
+    )
 
 
 def draft_length_option(choices, flag: str = "--draft-length", help_prefix: str = ""):

@@ -192,10 +192,9 @@ def run(a) -> None:
 
     from dflash_trt.api import load_target, load_tokenizer
     from dflash_trt.train.corpus import load_texts, score_corpus
-    from dflash_trt.train.data import generate_data, read_sequences
+    from dflash_trt.train.data import generate_data, mark_validation, read_sequences
     from dflash_trt.train.prompts import load_prompts
     from dflash_trt.train.trainer import TrainConfig, train
-    from dflash_trt.train.validate import mark_validation
 
     log(
         f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
@@ -263,7 +262,9 @@ def run(a) -> None:
         batch_size=a.train_batch,
         lr=6e-4,
         gamma=a.gamma,
-        draft_vocab=16384,
+        draft_vocab=16384 if a.family == "dflash" else 0,  # a family's heads train on the full vocabulary
+        family=a.family,
+        family_fields=json.loads(a.family_fields),
         features="online",
         max_seq_len=512,
         val_data=str(val) if val else None,
@@ -296,7 +297,7 @@ def run(a) -> None:
         max_steps = None if fit >= per_epoch else max(1, fit)
         save_every = max(50, (epochs * per_epoch if max_steps is None else max_steps) // 4)
         log(
-            f"train: {seqs} seqs, {per_epoch} steps/epoch, {per_step:.3f} s/step (calibration, "
+            f"train ({a.family}): {seqs} seqs, {per_epoch} steps/epoch, {per_step:.3f} s/step (calibration, "
             f"setup {spans[0]:.1f}s), budget {budget:.0f}s -> epochs {epochs}, max_steps {max_steps}"
         )
         drafter_dir = train(
@@ -398,6 +399,12 @@ def main() -> None:
     r.add_argument("--score-batch", type=int, default=32)
     r.add_argument("--train-batch", type=int, default=32)
     r.add_argument("--layers", type=int, default=1)
+    r.add_argument(
+        "--family", default="dflash", help="drafter family (train --family): dflash | dflash2 | dspark | domino"
+    )
+    r.add_argument(
+        "--family-fields", default="{}", help='its fields as JSON (train --family-fields), e.g. {"markov_rank": 64}'
+    )
     r.add_argument("--gamma", type=float, default=4)
     r.add_argument("--max-epochs", type=int, default=12)
     r.add_argument("--val-prompts", default=".gpu/side/val_prompts.jsonl")

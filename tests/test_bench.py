@@ -219,6 +219,61 @@ def test_fit_prompt_cuts_and_pads_to_length(setup):
         assert abs(len(ids) - 60) <= 2 and text.endswith("def add(a, b):")
 
 
+def test_bench_ngram_and_hybrid_are_exact_and_report_sources(setup, tmp_path):
+    """One interleaved run of dflash, ngram, hybrid, hf and hf-prompt-lookup on the built-in `varied` set:
+    every method exact, and ours report steps / drafts / accepted per draft source (table and JSON)."""
+    rep = run_bench(
+        config(
+            setup,
+            tmp_path,
+            datasets=["varied"],
+            num_prompts=6,
+            max_new_tokens=24,
+            max_prompt_tokens=160,  # the tiny target's context is 512
+            methods=["hf", "dflash", "ngram", "hybrid", "hf-prompt-lookup"],
+            plots=False,
+        ),
+        say=lambda m: None,
+        progress=False,
+    )
+    rows = {r["method"]: r for r in rep["rows"]}
+    assert rep["mismatches"] == [] and all(rows[m]["exact"] == "yes" for m in ("dflash", "ngram", "hybrid"))
+    assert rows["hf"]["sources"] is None and rows["hf-prompt-lookup"]["sources"] is None
+    for m in ("dflash", "ngram", "hybrid"):
+        src = rows[m]["sources"]
+        assert set(src) == {"drafter", "copied"}
+        assert src["drafter"]["steps"] + src["copied"]["steps"] == rows[m]["decode_steps"]
+    assert rows["dflash"]["sources"]["copied"] == {"steps": 0, "drafts": 0, "accepted": 0}
+    assert rows["ngram"]["sources"]["drafter"]["drafts"] == 0  # the drafter never runs
+    assert rows["ngram"]["sources"]["copied"]["steps"] > 0  # the tiny target repeats itself
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["dataset"] for r in saved["rows"]} == {"varied"}
+    ours = [p for p in saved["per_prompt"] if p["method"] in ("dflash", "ngram", "hybrid")]
+    assert len(ours) == 18 and all(set(p["sources"]) == {"drafter", "copied"} for p in ours)
+    assert all("sources" not in p for p in saved["per_prompt"] if p["method"].startswith("hf"))
+    md = (tmp_path / "bench.md").read_text()
+    assert "copied acc/drafts" in md and "drafter acc/drafts" in md
+    c = rows["ngram"]["sources"]["copied"]
+    assert f"| {c['accepted']}/{c['drafts']} |" in md
+
+
+def test_varied_dataset_is_builtin_and_offline(monkeypatch):
+    def no_download(*a, **k):
+        raise AssertionError("the varied set must not download")
+
+    monkeypatch.setattr(ds, "pip_download", no_download)
+    prompts = ds.load_dataset("varied")
+    assert len(prompts) == 24 and len({p.id for p in prompts}) == 24
+    kinds = {}
+    for p in prompts:
+        assert p.dataset == "varied" and p.text.strip()
+        kinds.setdefault(p.id.rsplit("-", 1)[0], []).append(p)
+    assert sorted(kinds) == sorted(["code-edit", "sql", "shell", "math", "advice", "summary"])
+    assert all(len(v) == 4 for v in kinds.values())
+    assert all("```" in p.text for p in kinds["code-edit"])  # the code to edit is in the prompt
+    assert len({p.id.rsplit("-", 1)[0] for p in ds.load_dataset("varied", 6)}) == 6  # the first 6: one of each kind
+
+
 def test_bench_config_validation():
     with pytest.raises(DFlashError, match="unknown"):
         BenchConfig(target="x", methods=["baseline", "nope"])
@@ -226,6 +281,9 @@ def test_bench_config_validation():
     assert r.exit_code == 2 and "comma-separated integers" in r.output
     with pytest.raises(DFlashError, match="draft_cutoff=1.0"):
         BenchConfig(target="x", draft_cutoff=1.0)
+    with pytest.raises(DFlashError, match="proposer='suffix': choose one of dflash, ngram, hybrid"):
+        BenchConfig(target="x", proposer="suffix")
+    assert {"ngram", "hybrid"} <= set(METHODS)
 
 
 def test_bench_draft_cutoff_is_used_and_recorded(setup, tmp_path):

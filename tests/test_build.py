@@ -156,6 +156,26 @@ def _other_target_drafter(root: Path) -> Path:
     return folder
 
 
+def _dflash2_drafter(root: Path) -> Path:
+    """A DFlash 2 drafter for the pair's target (no per-draft probability: proposer=hybrid cannot weigh it)."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from dflash_trt.modeling.drafter import DFlashDrafter
+
+    folder = root / "dflash2_drafter"
+    if not folder.exists():
+        cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(root / "target"), num_layers=1, block_size=BLOCK)
+        cfg = dataclasses.replace(
+            cfg,
+            architectures=["DFlash2DraftModel"],
+            family_fields={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 3},
+        )
+        DFlashDrafter(cfg).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize(
     "case, want",
     [
@@ -167,7 +187,10 @@ def _other_target_drafter(root: Path) -> Path:
         ("draft_cutoff", "draft_cutoff=1.0"),
         ("draft_length", "draft_length=confidence needs draft_cutoff > 0"),
         ("draft_length_name", "draft_length='sometimes': choose one of block, confidence"),
-        ("no_confidence_head", "offers no confidence per draft"),
+        ("no_confidence_head", "draft_length=confidence: this DFlash drafter has no confidence head"),
+        ("proposer_name", "proposer='suffix': unknown; use one of dflash, ngram, hybrid"),
+        ("ngram_with_cutoff", "proposer=ngram: draft_cutoff / draft_length=confidence act on"),
+        ("hybrid_dflash2", "proposer=hybrid: DFlash 2 drafters give no per-draft probability"),
     ],
 )
 def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
@@ -189,6 +212,12 @@ def test_bad_config_fails_check_with_one_line(pair, tmp_path, case, want):
         fields["draft_length"] = "sometimes"
     elif case == "no_confidence_head":  # the plain DFlash drafter has none: refused in check, not at serve time
         fields.update(draft_length="confidence", draft_cutoff=0.3)
+    elif case == "proposer_name":
+        fields["proposer"] = "suffix"
+    elif case == "ngram_with_cutoff":  # the drafter's cutoff has no drafter drafts to gate
+        fields.update(proposer="ngram", draft_cutoff=0.3)
+    elif case == "hybrid_dflash2":
+        fields.update(proposer="hybrid", drafter=str(_dflash2_drafter(root)))
     else:
         fields["tokenizer"] = str(root / "drafter")  # a folder without tokenizer files
     r = cli("check", "--config", write_yaml(tmp_path / "b.yaml", **fields))
@@ -232,10 +261,12 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
         "repo": "cached",
     }
     assert (out / "engine" / "target" / "model.safetensors").is_file()
-    _, third = build(tmp_path, root, instance_count=2, decoupled=False, draft_cutoff=0.3)  # repo options only
+    # repo options only
+    _, third = build(tmp_path, root, instance_count=2, decoupled=False, draft_cutoff=0.3, proposer="hybrid")
     assert statuses(third)["engine"] == "cached" and statuses(third)["repo"] == "ran"
     dflash_cfg = (out / "model_repo" / "dflash" / "config.pbtxt").read_text()
     assert 'key: "draft_length" value: { string_value: "block" }' in dflash_cfg and '"0.3"' in dflash_cfg
+    assert 'key: "proposer" value: { string_value: "hybrid" }' in dflash_cfg
     assert "count: 2" in (out / "model_repo" / "dflash_unary" / "config.pbtxt").read_text()
     assert not (out / "model_repo" / "dflash_bls").exists() and (out / "model_repo" / "dflash").is_dir()
     _, forced = build(tmp_path, root, "out", "--force", instance_count=2)

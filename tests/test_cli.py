@@ -61,6 +61,34 @@ def test_generate_with_draft_cutoff_matches_baseline(pair):
     assert res["stats"]["num_draft_tokens"] == 0 and res["stats"]["tau"] == 1.0
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "hybrid"])
+def test_generate_with_proposer_matches_baseline(pair, proposer):
+    """--proposer ngram / hybrid: the same greedy output as the target alone, the drafts' sources in the stats
+    (ngram never runs the drafter: every draft it verifies is copied from the prompt and output)."""
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add"
+    args = ("--proposer", proposer, "--prompt", prompt, "--no-chat", "--max-new-tokens", 24)
+    res = generate_vs_baseline(pair, *args)  # the later --max-new-tokens wins
+    s = res["stats"]
+    src = s["sources"]
+    assert src["copied"]["steps"] > 0 and src["copied"]["accepted"] > 0  # the tiny target repeats itself
+    assert src["drafter"]["steps"] + src["copied"]["steps"] == s["num_verify_steps"]
+    assert src["drafter"]["drafts"] + src["copied"]["drafts"] == s["num_draft_tokens"]
+    assert src["drafter"]["accepted"] + src["copied"]["accepted"] == s["num_accepted_draft_tokens"]
+    if proposer == "ngram":
+        assert src["drafter"]["drafts"] == 0
+    r = generate(pair, *args, "--dtype", "float32")
+    assert r.exit_code == 0 and "draft sources" in r.output and "copied" in r.output, r.output
+
+
+def test_generate_proposer_errors_are_one_line(pair):
+    r = generate(pair, "--prompt", "hi", "--proposer", "suffix")
+    assert r.exit_code == 2 and "dflash" in r.output and "ngram" in r.output and "hybrid" in r.output, r.output
+    r = generate(pair, "--prompt", "hi", "--proposer", "ngram", "--draft-cutoff", 0.3)  # the engine's refusal
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    (err,) = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert "proposer=ngram" in err
+
+
 def test_generate_text_output_and_stats(pair):
     r = generate(pair, "--prompt", "hello", "--no-chat", "--max-new-tokens", 8, "--temperature", 0.7, "--seed", 3)
     assert r.exit_code == 0, r.output

@@ -62,9 +62,10 @@ def test_pack_unpack_round_trip(g, tmp_path):
         g.unpack(tmp_path / "parts", tmp_path / "back2", "cpu")
 
 
-def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch, family):
     """Every stage of the device run with a tiny target and a budget of seconds: the drafter, the
-    answers and the logs come back, and the drafter loads and generates exactly."""
+    answers and the logs come back, and the drafter (of the --family asked for) loads and generates exactly."""
     src = tiny_model_dir(tmp_path / "m", family="qwen2")
     g.pack(src, tmp_path / "parts", 6, 0.05)
     for name in ("val_prompts.jsonl", "eval_prompts.jsonl"):
@@ -118,6 +119,10 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch):
             str(tmp_path / "train.jsonl"),
             "--text",
             str(tmp_path / "text.txt"),
+            "--family",
+            family,
+            "--family-fields",
+            '{"markov_rank": 16}' if family == "dspark" else "{}",
         ],
     )
     g.main()
@@ -137,3 +142,5 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch):
     tgt, _ = load_target(str(src), device="cpu")
     drafter = load_drafter(tgt, str(tmp_path / "shipped" / "drafter"))
     assert drafter.block_size == 16
+    arch = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[family]
+    assert drafter.config.architectures == [arch] and f"train ({family}):" in log

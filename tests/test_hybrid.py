@@ -44,6 +44,17 @@ def test_greedy_hybrid_equals_target_greedy_and_copies_get_accepted():
     assert out.stats.num_verify_steps < plain.stats.num_verify_steps  # copying paid here
 
 
+def test_ngram_proposer_greedy_equals_target_and_copies():
+    t = _looping_target()
+    d = tiny_drafter(t, block_size=4)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    out = generate(t, d, prompts, params, kernels="torch", proposer="ngram")
+    assert out.tokens == generate_baseline(t, prompts, params).tokens
+    src = out.stats.sources
+    assert src["drafter"]["drafts"] == 0 and src["copied"]["accepted"] > 0, src  # the drafter never drafted
+
+
 def test_hybrid_with_draft_cutoff_stays_exact():
     t = _looping_target()
     d = tiny_drafter(t, block_size=4)
@@ -70,6 +81,21 @@ def test_sampled_hybrid_distribution_equals_target():
         assert chi2_pvalue(got[keep.numpy()], exp[keep]) > 1e-3
 
 
+def test_sampled_ngram_distribution_equals_target():
+    V, N, prompt = 12, 3000, [4, 2, 3, 4, 2]
+    t = tiny_target("qwen3", vocab_size=V)
+    with torch.no_grad():
+        t.lm_head.weight.mul_(8.0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=1000, ignore_eos=True)
+    out = generate(t, tiny_drafter(t, block_size=4), [prompt] * N, params, kernels="torch", proposer="ngram")
+    src = out.stats.sources["copied"]
+    assert src["steps"] > N // 3 and 0 < src["accepted"] < src["drafts"], src
+    for col, exp in zip((1, 2), _exact_marginals(t, prompt, V)):
+        got = torch.bincount(torch.tensor([x[col] for x in out.tokens]), minlength=V).numpy()
+        keep = exp * N > 5
+        assert chi2_pvalue(got[keep.numpy()], exp[keep]) > 1e-3
+
+
 def test_choose_takes_the_copy_only_when_it_expects_more():
     block = torch.tensor([[5, 1, 1, 1], [5, 1, 1, 1]])
     q = torch.full((2, 3, 8), 0.125)
@@ -85,8 +111,10 @@ def test_choose_takes_the_copy_only_when_it_expects_more():
 
 def test_refusals_are_one_line():
     t = tiny_target("qwen3")
-    with pytest.raises(DFlashError, match="proposer='suffix': choose one of dflash, hybrid"):
+    with pytest.raises(DFlashError, match="proposer='suffix': choose one of dflash, ngram, hybrid"):
         SpecEngine(t, tiny_drafter(t), kernels="torch", proposer="suffix")
+    with pytest.raises(DFlashError, match="proposer=ngram: draft_cutoff"):
+        SpecEngine(t, tiny_drafter(t), kernels="torch", proposer="ngram", draft_cutoff=0.3)
     cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
     cfg = dataclasses.replace(
         cfg,

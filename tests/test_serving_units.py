@@ -339,6 +339,68 @@ def test_orchestrator_reports_per_position_and_predicted_acceptance():
             assert "predicted_tau" not in perf and predicted_at == []
 
 
+class _SourceMetrics(_PositionMetrics):
+    def __init__(self):
+        super().__init__()
+        self.copied_calls = []
+
+    def copied(self, draft_tokens, accepted_tokens):
+        self.copied_calls.append((draft_tokens, accepted_tokens))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "hybrid"])
+def test_orchestrator_reports_draft_sources(proposer):
+    """perf_metrics of a finished request carry `sources` (steps / drafts / accepted of the drafter and of the
+    drafts copied from the request's own text), and the metrics hook counts the copied drafts as they run."""
+    t = tiny_target("qwen3")
+    metrics = _SourceMetrics()
+    make = functools.partial(
+        SpecEngine, t, tiny_drafter(t, block_size=4), max_batch=2, max_seq_len=96, proposer=proposer
+    )
+    orch = Orchestrator(make, metrics=metrics)
+    orch.start()
+    prompt = [5, 6, 7, 8, 9] * 4
+    try:
+        sink = ListSink()
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=24, return_perf_metrics=True)), sink)
+        assert sink.done.wait(60) and not sink.errors
+    finally:
+        orch.stop()
+    last = sink.msgs[-1][0]
+    assert last.output_ids == generate_baseline(t, [prompt], SamplingParams(max_new_tokens=24)).tokens[0]
+    src = last.perf["sources"]
+    assert set(src) == {"drafter", "copied"}
+    assert src["drafter"]["steps"] + src["copied"]["steps"] == sum(last.perf["accept_hist"])
+    assert src["copied"]["drafts"] > 0  # the tiny target repeats itself
+    assert [sum(c) for c in zip(*metrics.copied_calls)] == [src["copied"]["drafts"], src["copied"]["accepted"]]
+    if proposer == "ngram":
+        assert src["drafter"]["drafts"] == 0
+
+
+def test_engine_loader_passes_the_proposer(tmp_path):
+    """proposer reaches the engine; one the drafter does not fit (hybrid with a DFlash 2 drafter, no per-draft
+    probability) fails at the first engine (load time in Triton) with the engine's one line."""
+    import dataclasses
+
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.modeling.drafter import DFlashDrafter
+
+    target = TargetModel.from_pretrained(tiny_model_dir(tmp_path / "target"), dtype=torch.float32)
+    tiny_drafter(target).save_pretrained(tmp_path / "plain")
+    cfg = dataclasses.replace(
+        DrafterConfig.for_target(target.config, num_layers=1, block_size=4),
+        architectures=["DFlash2DraftModel"],
+        family_fields={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 3},
+    )
+    DFlashDrafter(cfg).save_pretrained(tmp_path / "dflash2")
+    make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "plain"), dtype="float32", proposer="ngram")
+    assert make().proposer == "ngram"
+    make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "dflash2"), dtype="float32", proposer="hybrid")
+    with pytest.raises(DFlashError, match="proposer=hybrid: DFlash 2 drafters") as e:
+        Orchestrator(make)
+    assert "\n" not in str(e.value)
+
+
 # ---- model repository -------------------------------------------------------------------------
 def test_fill_model_repo(tmp_path):
     tpl = default_template_dir()
@@ -354,11 +416,14 @@ def test_fill_model_repo(tmp_path):
     assert f'string_value: "{(tmp_path / "t").resolve()}"' in (out / "dflash" / "config.pbtxt").read_text()
     assert 'key: "draft_cutoff" value: { string_value: "0.0" }' in (out / "dflash" / "config.pbtxt").read_text()
     assert 'key: "draft_length" value: { string_value: "block" }' in (out / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "proposer" value: { string_value: "dflash" }' in (out / "dflash" / "config.pbtxt").read_text()
+    hybrid = fill_model_repo(tpl, tmp_path / "hybrid" / "repo", {**values, "proposer": "hybrid"})
+    assert 'key: "proposer" value: { string_value: "hybrid" }' in (hybrid / "dflash" / "config.pbtxt").read_text()
     # a missing value is refused, naming the placeholder and its file; nothing is written
     partial = dict(values)
     del partial["drafter_dir"]
     with pytest.raises(DFlashError, match=r"drafter_dir \(in dflash/config.pbtxt\)"):
         fill_model_repo(tpl, tmp_path / "repo2", partial)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hybrid", "repo"]
     with pytest.raises(DFlashError, match="unknown"):
         default_values("t", "d", typo=1)

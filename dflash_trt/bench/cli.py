@@ -10,15 +10,17 @@ from __future__ import annotations
 import click
 import torch
 
-from dflash_trt.bench.runner import BenchConfig, run_bench
+from dflash_trt.bench.runner import DEFAULT_METHODS, BenchConfig, run_bench
 from dflash_trt.cli_shared import (
     DRAFT_CUTOFF_HELP,
     draft_length_option,
     dtype_device_options,
     friendly_errors,
     parse_ints,
+    proposer_option,
 )
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
+from dflash_trt.decoding.engine import PROPOSERS
 
 
 def _names(value: str) -> list[str]:
@@ -40,7 +42,8 @@ def _names(value: str) -> list[str]:
     multiple=True,
     default=("humaneval",),
     show_default=True,
-    help='humaneval | writingbench | a jsonl file of {"prompt": ...} lines (repeatable).',
+    help="humaneval | writingbench | varied (24 built-in prompts, no download) | a jsonl file of "
+    '{"prompt": ...} lines (repeatable).',
 )
 @click.option("-n", "--num-prompts", default=8, show_default=True, type=int, help="Prompts per dataset.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
@@ -56,13 +59,16 @@ def _names(value: str) -> list[str]:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--methods",
-    default=",".join(("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "dflash-triton")),
+    default=",".join(DEFAULT_METHODS),
     show_default=True,
-    help="Comma-separated.",
+    help="Comma-separated. dflash / ngram / hybrid: our engine with that proposer (see --proposer).",
 )
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
 @click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
 @draft_length_option(DRAFT_LENGTHS, help_prefix="dflash, dflash-triton: ")
+@proposer_option(
+    PROPOSERS, help_prefix="dflash-triton (the served engine's; in-process, the methods dflash, ngram, hybrid): "
+)
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
 @dtype_device_options("auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")
 @click.option("--warmup", default=1, show_default=True, type=int, help="Warm-up rounds (all methods) before timing.")

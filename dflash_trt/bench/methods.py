@@ -9,6 +9,8 @@ its speculation. No aggregation, no output files (report.py), no scheduling (run
                     (another vocabulary: HF universal assisted decoding, tokenizer + assistant_tokenizer)
   hf-prompt-lookup  HF prompt lookup decoding, `generate(prompt_lookup_num_tokens=...)`
   dflash            our DFlash speculative decoding in-process (`spec.loop.generate`)
+  ngram             our engine, drafts copied from the row's own text (proposer=ngram; drafter not run)
+  hybrid            our engine, per row and round the copy or the drafter's block (proposer=hybrid)
   dflash-triton     ours through a Triton server over gRPC (`serving.client.DFlashClient`)
 
 Every method reports the same `Run`: output tokens (or text for the server), time to first
@@ -17,7 +19,9 @@ produced the first token) that emitted k tokens, from which tau and per-position
 follow for all methods alike. For HF methods the passes are seen through a streamer (one
 `put` per target pass) and timed with forward hooks on the target and the assistant. Ours with
 a drafter that has a confidence head (DSpark) also report `predicted_at`, its summed predicted
-per-position acceptance (decoding/stats.py), for the predicted-vs-actual comparison.
+per-position acceptance (decoding/stats.py), for the predicted-vs-actual comparison, and all of ours
+`sources` (decoding/stats.py DecodeStats.sources): steps, drafts and accepted drafts per draft source
+(the drafter, or copied from the row's own text).
 `METHODS` is a registry: tests add a deliberately wrong method to it.
 """
 
@@ -64,6 +68,7 @@ class Run:
     text: str | None = None
     drafts_verified: int | None = None  # draft tokens the target judged (ours; less than passes x (B-1) when gated)
     predicted_at: list[float] | None = None  # ours, drafters with a confidence head: decoding/stats.py predicted_at
+    sources: dict | None = None  # ours: {"drafter"|"copied": {steps, drafts, accepted}} (decoding/stats.py)
 
     @property
     def num_steps(self) -> int:
@@ -125,21 +130,20 @@ class Baseline(Method):
 @register
 class DFlash(Method):
     name = "dflash"
+    proposer = "dflash"  # where the drafts come from: decoding/engine.py PROPOSERS
     block_size: int | None = None  # None: the context's (the drafter's own, or --block-size)
 
     def prepare(self):
         self.drafter = self.ctx.drafter(self.block_size)
 
+    def draft_options(self) -> dict:
+        cfg = self.ctx.cfg
+        return dict(draft_cutoff=cfg.draft_cutoff, draft_length=cfg.draft_length)
+
     def run(self, item, params):
         t0 = time.perf_counter()
-        cfg = self.ctx.cfg
         res = generate(
-            self.ctx.target,
-            self.drafter,
-            [item.ids],
-            params,
-            draft_cutoff=cfg.draft_cutoff,
-            draft_length=cfg.draft_length,
+            self.ctx.target, self.drafter, [item.ids], params, proposer=self.proposer, **self.draft_options()
         )
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
@@ -154,7 +158,28 @@ class DFlash(Method):
             s.verify_time,
             drafts_verified=s.num_draft_tokens,
             predicted_at=list(s.predicted_at) or None,
+            sources=s.sources,
         )
+
+
+@register
+class NGram(DFlash):
+    """Our engine with every draft copied from the row's own text; the drafter (loaded as for dflash) is
+    never run, so --draft-cutoff / --draft-length, which gate the drafter's drafts, do not apply."""
+
+    name = "ngram"
+    proposer = "ngram"
+
+    def draft_options(self) -> dict:
+        return {}
+
+
+@register
+class Hybrid(DFlash):
+    """Our engine choosing, per row and round, the copied continuation or the drafter's block."""
+
+    name = "hybrid"
+    proposer = "hybrid"
 
 
 # ---- Hugging Face generate() -----------------------------------------------------------------
@@ -361,6 +386,7 @@ class DFlashTriton(Method):
             text="".join(parts),
             drafts_verified=last.get("total_draft_tokens"),
             predicted_at=_predicted_at(perf),
+            sources=perf.get("sources"),
         )
 
     def close(self):

@@ -14,6 +14,9 @@ Definitions (per dataset and method, summed over prompts):
   predicted         drafters with a confidence head (DSpark): its mean predicted P(accept i)
                     (predicted_per_position) and the tau it implies (predicted_tau), beside the
                     measured ones (decoding/stats.py); None for every other method
+  sources           ours (dflash, ngram, hybrid, dflash-triton): decode passes, drafts judged and drafts
+                    accepted per draft source, "drafter" or "copied" from the prompt's own text
+                    (decoding/stats.py DecodeStats.sources); the table shows accepted/drafts of each
   draft/verify      seconds per decode pass drafting / in the target's verify forward
   bound             tau * t_target_step / (t_draft + t_verify): the speedup if nothing but
                     drafting and verifying cost time, t_target_step being the baseline's (else
@@ -45,6 +48,7 @@ def summarize(runs) -> dict:
     for r in runs:  # the confidence head's summed predictions, where the drafter has one
         st.predicted_at = _add(st.predicted_at, getattr(r, "predicted_at", None) or [])
     steps = st.num_verify_steps
+    sources = _add_sources([getattr(r, "sources", None) for r in runs])
     draft, verify = sum(r.draft_time for r in runs), sum(r.verify_time for r in runs)
     return {
         "prompts": len(runs),
@@ -58,9 +62,24 @@ def summarize(runs) -> dict:
         "predicted_per_position": st.predicted_per_position or None,
         "predicted_tau": st.predicted_tau,
         "decode_steps": steps,
+        "sources": sources,
         "draft_ms_per_step": 1e3 * draft / steps if steps else None,
         "verify_ms_per_step": 1e3 * verify / steps if steps else None,
     }
+
+
+def _add_sources(per_run: list[dict | None]) -> dict | None:
+    """The runs' per-source counts summed ({source: {steps, drafts, accepted}}); None if no run has them."""
+    given = [s for s in per_run if s]
+    if not given:
+        return None
+    out: dict[str, dict[str, int]] = {}
+    for s in given:
+        for src, counts in s.items():
+            acc = out.setdefault(src, {})
+            for k, v in counts.items():
+                acc[k] = acc.get(k, 0) + int(v)
+    return out
 
 
 def _add(a: list, b: list) -> list:
@@ -170,6 +189,7 @@ def build_report(
             "wall_s": r["run"].wall,
             "accept_hist": r["run"].accept_hist,
             **({"predicted_at": r["run"].predicted_at} if getattr(r["run"], "predicted_at", None) else {}),
+            **({"sources": r["run"].sources} if getattr(r["run"], "sources", None) else {}),
             **({"mismatch": r["mismatch"]} if r.get("mismatch") else {}),
         }
         for r in records
@@ -210,6 +230,8 @@ COLUMNS = [
     ("per_position_acceptance", "P(accept) pos 1..8"),
     ("predicted_tau", "pred. tau"),
     ("predicted_per_position", "pred. P(accept) 1..8"),
+    ("sources.drafter", "drafter acc/drafts"),
+    ("sources.copied", "copied acc/drafts"),
     ("draft_ms_per_step", "draft ms/step"),
     ("verify_ms_per_step", "verify ms/step"),
     ("bound", "bound"),
@@ -221,6 +243,8 @@ COLUMNS = [
 def fmt(key: str, v) -> str:
     if v is None:
         return "-"
+    if key.startswith("sources."):  # one draft source's {steps, drafts, accepted}
+        return f"{v['accepted']}/{v['drafts']}" if v.get("steps") else "-"
     if key in ("per_position_acceptance", "predicted_per_position"):
         return " ".join(f"{p:.2f}" for p in v[:8]) or "-"
     if key.startswith("speedup") or key == "bound":
@@ -232,8 +256,15 @@ def fmt(key: str, v) -> str:
     return str(v)
 
 
+def cell(row: dict, key: str):
+    """row[key]; a dotted key looks inside a nested dict (sources.copied = row["sources"]["copied"])."""
+    head, _, rest = key.partition(".")
+    v = row.get(head)
+    return (v or {}).get(rest) if rest else v
+
+
 def table_rows(rows: list[dict], columns=COLUMNS) -> list[list[str]]:
-    return [[fmt(k, r.get(k)) for k, _ in columns] for r in rows]
+    return [[fmt(k, cell(r, k)) for k, _ in columns] for r in rows]
 
 
 def markdown(rows: list[dict], columns=COLUMNS) -> str:
@@ -281,7 +312,8 @@ def render_markdown(rep: dict) -> str:
         f"transformers {env['transformers']}; temperature {cfg['temperature']}, max_new_tokens "
         f"{cfg['max_new_tokens']}, chat {'on' if cfg['chat'] else 'off'}, reference `{rep['reference']}`"
         + (f", dflash draft cutoff {cfg['draft_cutoff']:g}" if cfg.get("draft_cutoff") else "")
-        + (f", draft length {cfg['draft_length']}" if cfg.get("draft_length", "block") != "block" else ""),
+        + (f", draft length {cfg['draft_length']}" if cfg.get("draft_length", "block") != "block" else "")
+        + (f", served proposer {cfg['proposer']}" if cfg.get("proposer", "dflash") != "dflash" else ""),
         "",
         markdown(rep["rows"]),
     ]

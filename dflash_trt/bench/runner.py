@@ -37,13 +37,13 @@ from dflash_trt.bench.schedule import fit_prompt, run_schedule
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
-from dflash_trt.decoding.engine import _eos_ids
+from dflash_trt.decoding.engine import PROPOSERS, _eos_ids
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.cpu_pack import pack_hf_model
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
 from dflash_trt.serving.server import TritonServer
 
-DEFAULT_METHODS = ("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "dflash-triton")
+DEFAULT_METHODS = ("baseline", "hf", "hf-assisted", "hf-prompt-lookup", "dflash", "ngram", "hybrid", "dflash-triton")
 
 
 class OutputMismatchError(DFlashError):
@@ -67,6 +67,7 @@ class BenchConfig:
     block_size: int | None = None
     draft_cutoff: float = 0.0  # dflash: verify only the drafts the drafter is this sure of (decoding/draft_length.py)
     draft_length: str = "block"  # dflash: what draft_cutoff gates: block | confidence (a DSpark confidence head)
+    proposer: str = "dflash"  # dflash-triton: the served engine's proposer (in-process: methods ngram / hybrid)
     out_dir: str = "bench_out"
     dtype: str = "auto"
     device: str = "auto"
@@ -93,6 +94,8 @@ class BenchConfig:
         if any(b < 2 for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else [])):
             raise ConfigError("block sizes must be >= 2")
         length_source(self.draft_length, check_cutoff(self.draft_cutoff))
+        if self.proposer not in PROPOSERS:  # the engine's values; it refuses the rest when it loads
+            raise ConfigError(f"proposer={self.proposer!r}: choose one of {', '.join(PROPOSERS)}")
 
 
 class BenchContext:
@@ -150,6 +153,7 @@ class BenchContext:
             max_batch=max([16] + self.cfg.sweep_concurrency),
             draft_cutoff=self.cfg.draft_cutoff,
             draft_length=self.cfg.draft_length,
+            proposer=self.cfg.proposer,
         )
         repo = fill_model_repo(default_template_dir(), Path(self._tmp.name) / "repo", values)
         return TritonServer(repo, startup_timeout=600).__enter__()

@@ -33,16 +33,24 @@ def check_cutoff(cutoff: float, name: str = "draft_cutoff") -> float:
     return float(cutoff)
 
 
-DRAFT_LENGTHS = ("block", "confidence")
+DRAFT_LENGTHS = ("block", "confidence", "cost")
 
 
 def length_source(draft_length: str, cutoff: float, name: str = "draft_length") -> str | None:
-    """The per-position confidence a draft length needs from the drafter's propose step:
-    None (verify the whole block), "probability" (the drafter's own probabilities, cutoff > 0) or
-    "confidence" (a learned acceptance head, DSpark's; the cutoff is then the threshold on its
-    predicted chance that every kept draft is accepted). ConfigError naming `name` otherwise."""
+    """How the engine sets the draft length: None (verify the whole block), "probability" (the
+    drafter's own probabilities, cutoff > 0), "confidence" (a learned acceptance head, DSpark's; the
+    cutoff is then the threshold on its predicted chance that every kept draft is accepted) or
+    "cost" (the width with the most expected tokens per second, decoding/verify_cost.py).
+    ConfigError naming `name` otherwise."""
     if draft_length not in DRAFT_LENGTHS:
         raise ConfigError(f"{name}={draft_length!r}: choose one of {', '.join(DRAFT_LENGTHS)}")
+    if draft_length == "cost":  # decoding/verify_cost.py
+        if cutoff > 0:
+            raise ConfigError(
+                f"{name}=cost chooses how many drafts to verify from this machine's verify cost; it takes no "
+                f"draft_cutoff (got {cutoff}): use draft_cutoff=0"
+            )
+        return "cost"
     if draft_length == "confidence":
         if cutoff <= 0:
             raise ConfigError(

@@ -21,20 +21,23 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.decoding import hybrid
-from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths, length_source
+from dflash_trt.decoding import hybrid, proposal
+from dflash_trt.decoding import verify_cost as verify_costs
+from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
 from dflash_trt.decoding.hybrid import NgramRecord
 from dflash_trt.decoding.ngram import SuffixIndex
 from dflash_trt.decoding.prompt import check_prompt
+from dflash_trt.decoding.proposal import Proposal
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule
 from dflash_trt.decoding.verify import Verdict, sample_tokens, warp_logits
+from dflash_trt.decoding.verify_cost import VerifyCost
 from dflash_trt.errors import DFlashError
 from dflash_trt.families import dflash
 from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
 
-PROPOSERS = ("dflash", "hybrid")
+PROPOSERS = proposal.PROPOSERS
 
 
 @dataclass
@@ -60,15 +63,6 @@ class _Request:
     ngram: NgramRecord | None = None  # proposer=hybrid: how the copied drafts fared
 
 
-@dataclass
-class Proposal:
-    block: torch.Tensor  # [R, B] last token + drafts
-    q: torch.Tensor | None  # [R, B-1, V] draft distributions, None when every row is greedy
-    n_draft: torch.Tensor  # [R] drafts to verify per row
-    predicted: torch.Tensor | None  # [R, B-1] the confidence head's acceptance predictions (None: no head)
-    copied: list[bool]  # per row: drafts copied from its own text (proposer=hybrid)
-
-
 class SpecEngine:
     def __init__(
         self,
@@ -81,6 +75,7 @@ class SpecEngine:
         draft_cutoff: float = 0.0,
         draft_length: str = "block",
         proposer: str = "dflash",
+        verify_cost: VerifyCost | None = None,
         _capture=None,
     ):
         """kernels: "auto" | "triton" | "torch" (see modeling/fast_path.py): the drafter's context
@@ -91,8 +86,11 @@ class SpecEngine:
         this (decoding/draft_length.py); 0 verifies the whole block every step.
         draft_length: "block" (the drafter's own probabilities, when draft_cutoff > 0) or "confidence"
         (the drafter's learned acceptance head, DSpark's: the cutoff applies to its predictions).
-        proposer: "dflash" (the drafter's block) or "hybrid" (per row and round, the continuation
-        copied from the row's own text when it is expected to get more accepted; decoding/hybrid.py).
+        proposer: "dflash" (the drafter's block), "ngram" (the continuation copied from the row's own
+        text, decoding/ngram.py; the drafter is not run) or "hybrid" (per row and round, the copy when
+        it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py).
+        verify_cost: draft_length="cost" only, the verify cost curve (default: measured here at start-up,
+        decoding/verify_cost.py).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
         self.target, self.drafter = target, drafter
         self.accept_ops = fast_path.accept_ops(kernels, target.device)
@@ -102,40 +100,22 @@ class SpecEngine:
         self.kernels = kernels
         self.draft_cutoff = check_cutoff(draft_cutoff)
         self.family = getattr(drafter, "family", dflash)  # test doubles draft as plain DFlash
-        self.length_source = length_source(draft_length, self.draft_cutoff)
         offered = self.family.lengths(drafter.config) if hasattr(drafter, "config") else ("probability",)
-        if self.length_source == "probability" and "probability" not in offered:
-            raise DFlashError(
-                f"draft_cutoff={draft_cutoff}: not supported for {self.family.LABEL} drafters (their drafts have "
-                f"no per-draft probability to cut at); use draft_cutoff=0"
-            )
-        if self.length_source == "confidence" and "confidence" not in offered:
-            raise DFlashError(
-                f"draft_length=confidence: this {self.family.LABEL} drafter has no confidence head (DSpark "
-                f"drafters with enable_confidence_head have one); use draft_length=block"
-            )
-        if proposer not in PROPOSERS:
-            raise DFlashError(f"proposer={proposer!r}: choose one of {', '.join(PROPOSERS)}")
-        if proposer == "hybrid" and "probability" not in offered:
-            raise DFlashError(
-                f"proposer=hybrid: {self.family.LABEL} drafters give no per-draft probability to weigh against "
-                f"the copied continuation; use proposer=dflash"
-            )
-        self.proposer = proposer
-        # confidences propose returns: the length's, the hybrid choice's, and the confidence head's
-        # for the stats when it has one
-        self.needs = (
-            frozenset({self.length_source} - {None})
-            | (frozenset({"confidence"}) if "confidence" in offered else frozenset())
-            | (frozenset({"probability"}) if proposer == "hybrid" else frozenset())
-        )
-        self.variable = self.length_source is not None or proposer == "hybrid"  # rows may verify < B-1 drafts
+        plan = proposal.plan(draft_length, self.draft_cutoff, proposer, self.family.LABEL, offered)
+        self.length_source, self.cost_source, self.proposer = plan.length_source, plan.cost_source, proposer
+        self.needs, self.variable = plan.needs, plan.variable
         self.graphs = self._graphs(cuda_graph, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or 4096, target.max_context())
         self.tap_layers = list(drafter.target_layer_ids)
         self.eos = _eos_ids(target)
+        self.cost = None
+        if self.length_source == "cost":
+            self.cost = verify_cost or verify_costs.for_target(
+                target, min(max_batch * self.block_size, 512), self.tap_layers
+            )
+        self.draft_seconds = 0.0  # running mean of the propose step's time, for draft_length=cost
         self.reqs: list[_Request] = []  # row order of every batch tensor below
         self.tcache = self.dcache = None
         self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
@@ -176,7 +156,7 @@ class SpecEngine:
             gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
             rule = StopRule.for_request(params, self.eos, len(ids), self.max_seq_len)
             req = _Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids)))
-            if self.proposer == "hybrid":
+            if self.proposer != "dflash":
                 req.index, req.ngram = SuffixIndex(ids), NgramRecord()
             reqs.append(req)
             prompts.append(ids)
@@ -185,7 +165,8 @@ class SpecEngine:
         tcache, dcache = self.target.new_cache(len(items), cap), self.drafter.new_cache(len(items), cap)
         out = self.target.prefill(prompts, tcache, self.tap_layers)
         lens = tcache.lengths.clone()
-        self.drafter.inject_context(out.taps, lens, dcache)
+        if self.proposer != "ngram":  # the n-gram proposer never runs the drafter
+            self.drafter.inject_context(out.taps, lens, dcache)
         first = torch.stack([self._sample(req, out.logits[r, 0]) for r, req in enumerate(reqs)])
         dt = time.perf_counter() - t0
         B = self.block_size
@@ -236,6 +217,7 @@ class SpecEngine:
         prop = self.propose()
         block, n_draft = prop.block, prop.n_draft
         t1 = time.perf_counter()
+        self.draft_seconds = t1 - t0 if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * (t1 - t0)
         # rows verify together; a shorter row's extra drafts are not judged (no host sync at full width)
         width = int(n_draft.max()) + 1 if self.variable else self.block_size
         out = self.verify(block[:, :width])
@@ -264,6 +246,9 @@ class SpecEngine:
         take it instead (decoding/hybrid.py)."""
         R, B = len(self.reqs), self.block_size
         rows = [(r.params, r.generator) for r in self.reqs]
+        if self.proposer == "ngram":
+            prop = proposal.copy_all(self.last, self.reqs, B, self.drafter.mask_token_id, self.target.vocab_size)
+            return self._by_cost(prop, {})
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
             gated = "probability" in self.needs
@@ -276,7 +261,7 @@ class SpecEngine:
             block, q, conf = self.family.propose(
                 self.drafter, block, self.dcache, rows, self.needs, warp_logits, sample_tokens
             )
-        if self.length_source is None:
+        if self.length_source in (None, "cost"):
             n_draft = torch.full((R,), B - 1, dtype=torch.long, device=self.last.device)
         else:
             n_draft = draft_lengths(conf[self.length_source], self.draft_cutoff)
@@ -285,7 +270,13 @@ class SpecEngine:
             proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
             rates = [r.ngram.rate for r in self.reqs]
             copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, rates)
-        return Proposal(block, q, n_draft, conf.get("confidence"), copied)
+        return self._by_cost(Proposal(block, q, n_draft, conf.get("confidence"), copied), conf)
+
+    def _by_cost(self, prop: Proposal, conf: dict) -> Proposal:
+        if self.length_source != "cost":
+            return prop
+        rates = [r.ngram.rate if r.ngram is not None else 0.0 for r in self.reqs]
+        return proposal.cut_by_cost(prop, conf.get(self.cost_source), rates, self.cost, self.draft_seconds)
 
     def verify(self, block: torch.Tensor):
         """The target scores the block (the last token and the drafts to verify) in one pass:

@@ -1,4 +1,5 @@
-"""Hybrid proposer, `choose` rule: per row and round, verify the continuation copied from the row's own
+"""Copied drafts: the n-gram proposer (every row's drafts copied from its own text, `place`) and the
+hybrid proposer's `choose` rule: per row and round, verify the continuation copied from the row's own
 text (decoding/ngram.py) instead of the drafter's block when it is expected to get more drafts
 accepted.
 
@@ -71,15 +72,21 @@ def choose(
     chosen = []
     for r in range(R):
         toks = proposals[r].tokens
-        k = len(toks)
-        copied = sum(rates[r] ** j for j in range(1, k + 1))
-        take = k > 0 and copied > drafter[r]
+        copied = sum(rates[r] ** j for j in range(1, len(toks) + 1))
+        take = len(toks) > 0 and copied > drafter[r]
         if take:
-            ids = torch.tensor(toks, dtype=block.dtype, device=block.device)
-            block[r, 1 : 1 + k] = ids
-            n_draft[r] = k
-            if q is not None:
-                q[r, :k] = 0
-                q[r, torch.arange(k, device=q.device), ids] = 1.0
+            place(block, q, n_draft, r, toks)
         chosen.append(take)
     return chosen
+
+
+def place(block: torch.Tensor, q: torch.Tensor | None, n_draft: torch.Tensor, r: int, toks: list[int]) -> None:
+    """Row r verifies the copied tokens `toks`: they become its drafts (block [R, B]), its q rows
+    point masses on them (q [R, B-1, V] or None) and its draft count their number (n_draft [R])."""
+    k = len(toks)
+    ids = torch.tensor(toks, dtype=block.dtype, device=block.device)
+    block[r, 1 : 1 + k] = ids
+    n_draft[r] = k
+    if q is not None:
+        q[r, :k] = 0
+        q[r, torch.arange(k, device=q.device), ids] = 1.0

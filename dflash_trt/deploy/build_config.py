@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
+from dflash_trt.decoding.engine import PROPOSERS
 from dflash_trt.deploy.quantize import check_quant_target
 from dflash_trt.errors import ConfigError
 
@@ -54,6 +55,7 @@ class BuildConfig:
         0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
     )
     draft_length: str = "block"  # what draft_cutoff gates: block (drafter probabilities) | confidence (DSpark head)
+    proposer: str = "dflash"  # where the served drafts come from: dflash (drafter) | ngram (copied text) | hybrid
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
     eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
@@ -77,6 +79,7 @@ class BuildConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         length_source(self.draft_length, check_cutoff(self.draft_cutoff))
+        self._one_of("proposer", PROPOSERS)  # the engine's values (decoding/engine.py); check fits them to the drafter
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token plus one output)")
         if self.quantized and self.calib_prompts < 1:

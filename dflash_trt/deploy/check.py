@@ -13,11 +13,11 @@ from pathlib import Path
 
 from dflash_trt.api import load_tokenizer, resolve_target_dir
 from dflash_trt.config import DrafterConfig
-from dflash_trt.decoding.draft_length import length_source
+from dflash_trt.decoding.proposal import plan
 from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.convert import _check_tp, _shape
 from dflash_trt.deploy.quantize import quantizable_modules
-from dflash_trt.errors import CheckpointError, ConfigError, IncompatibleModelsError
+from dflash_trt.errors import CheckpointError, ConfigError, DFlashError, IncompatibleModelsError
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES
 
@@ -128,13 +128,10 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
         )
     if dc.block_size < 2:
         raise ConfigError(f"drafter block_size={dc.block_size}: must be >= 2")
-    source = length_source(cfg.draft_length, cfg.draft_cutoff)
-    if source is not None and source not in dc.family.lengths(dc):  # the engine would refuse it at load
-        raise ConfigError(
-            f"draft_length={cfg.draft_length} / draft_cutoff={cfg.draft_cutoff}: this {dc.family.LABEL} drafter "
-            f"offers no {source} per draft (draft_length=confidence needs a DSpark confidence head); "
-            f"use draft_length=block" + ("" if source == "confidence" else " and draft_cutoff=0")
-        )
+    try:  # the engine's own rules (decoding/proposal.py plan), here before anything is built or served
+        plan(cfg.draft_length, cfg.draft_cutoff, cfg.proposer, dc.family.LABEL, dc.family.lengths(dc))
+    except DFlashError as e:
+        raise ConfigError(str(e)) from None
     if cfg.max_seq_len > getattr(tc, "max_position_embeddings", cfg.max_seq_len):
         raise ConfigError(
             f"max_seq_len={cfg.max_seq_len}: above the target's max_position_embeddings="

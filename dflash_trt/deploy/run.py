@@ -118,6 +118,7 @@ STAGES = (
             "cpu_threads",
             "draft_cutoff",
             "draft_length",
+            "proposer",
         ),
         ("engine",),
     ),

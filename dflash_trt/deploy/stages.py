@@ -228,6 +228,7 @@ def stage_repo(ctx: Context) -> dict:
         cpu_threads=cfg.cpu_threads,
         draft_cutoff=cfg.draft_cutoff,
         draft_length=cfg.draft_length,
+        proposer=cfg.proposer,
         apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))),
     )
     repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)

@@ -44,6 +44,9 @@ class NullMetrics:
     def step(self, verify_steps: int, draft_tokens: int, accepted_tokens: int, output_tokens: int) -> None: ...
     def finished(self, progress: Progress) -> None: ...
 
+    # drafts copied from a row's own text (proposer ngram / hybrid) judged and accepted since the last call
+    def copied(self, draft_tokens: int, accepted_tokens: int) -> None: ...
+
     # a finished request's per-position counts: [i] = its verify steps whose draft i+1 was accepted, and
     # the confidence head's summed predictions of that ([] without a head): decoding/stats.py
     def positions(self, accepted_at: list[int], predicted_at: list[float]) -> None: ...
@@ -60,7 +63,8 @@ class _Job:
     output: list[int] = field(default_factory=list)
     sent: int = 0
     first_token: float | None = None
-    seen: tuple[int, int, int] = (0, 0, 0)  # verify steps, draft tokens, accepted tokens already counted
+    # verify steps, draft tokens, accepted tokens, copied draft tokens, accepted copied tokens already counted
+    seen: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     stats: object = None
     finish_reason: str = ""
 
@@ -260,10 +264,18 @@ class Orchestrator:
 
     def _count(self, job: _Job, new_tokens: int) -> None:
         s = job.stats
-        now = (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_draft_tokens)
+        now = (
+            s.num_verify_steps,
+            s.num_draft_tokens,
+            s.num_accepted_draft_tokens,
+            getattr(s, "num_copied_draft_tokens", 0),
+            getattr(s, "num_accepted_copied_tokens", 0),
+        )
         d = [a - b for a, b in zip(now, job.seen)]
         job.seen = now
         self.metrics.step(d[0], d[1], d[2], new_tokens)
+        if d[3] or d[4]:
+            self.metrics.copied(d[3], d[4])
 
     def _finish(self, job: _Job) -> None:
         perf = None
@@ -279,6 +291,8 @@ class Orchestrator:
                 "block_size": s.block_size,
                 "per_position_acceptance": list(getattr(s, "per_position_acceptance", [])),
             }
+            if hasattr(s, "sources"):  # steps / drafts / accepted per draft source: drafter, copied (decoding/stats.py)
+                perf["sources"] = s.sources
             if getattr(s, "predicted_tau", None) is not None:  # a drafter with a confidence head (DSpark)
                 perf.update(predicted_per_position=list(s.predicted_per_position), predicted_tau=s.predicted_tau)
         p = job.progress(job.sent if job.req.sampling.stream else 0, perf)
@@ -304,9 +318,11 @@ def load_engine_factory(
     dtype: str = "auto",
     draft_cutoff: float = 0.0,
     draft_length: str = "block",
+    proposer: str = "dflash",
 ) -> Callable[[], object]:
     """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
-    failure). Missing or mismatched folders raise DFlashError naming the file."""
+    failure). Missing or mismatched folders raise DFlashError naming the file; a proposer the engine
+    refuses (decoding/engine.py) fails at the first engine (Orchestrator(factory))."""
     if engine_backend != "torch":
         raise DFlashError(
             f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
@@ -340,4 +356,5 @@ def load_engine_factory(
         cuda_graph="off",
         draft_cutoff=draft_cutoff,
         draft_length=draft_length,
+        proposer=proposer,
     )

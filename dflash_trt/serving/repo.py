@@ -8,7 +8,7 @@ into place, so a failed fill never leaves a half-written repository.
 
 Placeholders: target_dir, drafter_dir, tokenizer_dir, engine_backend, max_batch, max_seq_len,
 dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads,
-draft_cutoff, draft_length (`default_values()`).
+draft_cutoff, draft_length, proposer (`default_values()`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def default_values(
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
         "draft_cutoff": 0.0,  # decoding/draft_length.py; 0 = verify every draft
         "draft_length": "block",  # block | confidence (a DSpark drafter's confidence head): decoding/draft_length.py
+        "proposer": "dflash",  # dflash | ngram | hybrid: where the drafts come from (decoding/engine.py PROPOSERS)
     }
     unknown = set(overrides) - set(values)
     if unknown:

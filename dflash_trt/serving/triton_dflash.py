@@ -2,17 +2,18 @@
 
 Boundary: glue between pb_utils and the Orchestrator; imported only inside the backend stub
 (model_repo/dflash/1/model.py re-exports TritonPythonModel). Model parameters: target_dir,
-drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff, draft_length. Every request
-gets its own response sender; `execute` only parses and queues, the orchestrator's thread sends. A
+drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff, draft_length, proposer.
+Every request gets its own response sender; `execute` only parses and queues, the orchestrator's thread sends. A
 request holding only `cancel_key` cancels the running request whose `request_key` matches (how the text front doors
 propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
 Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_tokens_total,
-dflash_accepted_tokens_total, dflash_output_tokens_total, dflash_cancelled_requests_total
-(counters), dflash_running_requests (gauge), dflash_acceptance_length (histogram of tokens per
-verify step, per finished request), dflash_accepted_at_position_total{position="i"} (verify
-steps whose draft i was accepted: over dflash_draft_steps_total, the per-position acceptance) and,
-for drafters with a confidence head, dflash_predicted_at_position_total{position="i"} (the head's
-summed predictions of the same).
+dflash_accepted_tokens_total, dflash_output_tokens_total, dflash_cancelled_requests_total,
+dflash_copied_draft_tokens_total, dflash_accepted_copied_tokens_total (the drafts copied from the
+request's own text, proposer ngram / hybrid, and those accepted; counters), dflash_running_requests
+(gauge), dflash_acceptance_length (histogram of tokens per verify step, per finished request),
+dflash_accepted_at_position_total{position="i"} (verify steps whose draft i was accepted: over
+dflash_draft_steps_total, the per-position acceptance) and, for drafters with a confidence head,
+dflash_predicted_at_position_total{position="i"} (the head's summed predictions of the same).
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ class _Metrics:
         ).Metric(labels=labels)
         self.accepted = fam("dflash_accepted_tokens_total", "Draft tokens accepted", C).Metric(labels=labels)
         self.output = fam("dflash_output_tokens_total", "Tokens generated", C).Metric(labels=labels)
+        self.copied_drafted = fam(
+            "dflash_copied_draft_tokens_total", "Draft tokens copied from the request's own text, verified", C
+        ).Metric(labels=labels)
+        self.copied_accepted = fam("dflash_accepted_copied_tokens_total", "Copied draft tokens accepted", C).Metric(
+            labels=labels
+        )
         self.cancels = fam(
             "dflash_cancelled_requests_total", "Requests cancelled (client gone or cancel_key)", C
         ).Metric(labels=labels)
@@ -150,6 +157,11 @@ class _Metrics:
             if v:
                 m.increment(v)
 
+    def copied(self, draft_tokens, accepted_tokens):
+        for m, v in ((self.copied_drafted, draft_tokens), (self.copied_accepted, accepted_tokens)):
+            if v:
+                m.increment(v)
+
     def finished(self, progress):
         if progress.num_verify_steps:
             (self.tau.observe if hasattr(self.tau, "observe") else self.tau.set)(progress.acceptance_length)
@@ -187,9 +199,11 @@ class TritonPythonModel:
                 params.get("dtype", "auto"),
                 float(params.get("draft_cutoff", "0") or 0),
                 params.get("draft_length", "block") or "block",
+                params.get("proposer", "dflash") or "dflash",
             )
             # the first engine: a drafter the options do not fit (draft_length=confidence without a
-            # confidence head) fails here, at load, with the engine's one-line message
+            # confidence head, proposer=hybrid with a DFlash 2 drafter) fails here, at load, with the
+            # engine's one-line message
             self.orch = Orchestrator(factory)
         except (DFlashError, ValueError) as e:
             raise pb_utils.TritonModelException(f"dflash: cannot load the engine: {e}") from None

@@ -10,16 +10,24 @@ from pathlib import Path
 import click
 
 from dflash_trt.api import load_target, load_tokenizer
-from dflash_trt.cli_shared import draft_length_option, dtype_device_options, friendly_errors, parse_floats, parse_ints
+from dflash_trt.cli_shared import (
+    draft_length_option,
+    dtype_device_options,
+    friendly_errors,
+    parse_floats,
+    parse_ints,
+    proposer_option,
+)
 from dflash_trt.config import field_help, load_yaml_dataclass
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
-from dflash_trt.errors import DFlashError
+from dflash_trt.decoding.proposal import PROPOSERS
+from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.train import distributed
 from dflash_trt.train.corpus import agreement, load_texts, score_corpus
-from dflash_trt.train.data import generate_data, read_sequences
+from dflash_trt.train.data import generate_data, is_validation, mark_validation, read_sequences
 from dflash_trt.train.evaluate import evaluate, print_eval
 from dflash_trt.train.prompts import HELD_OUT, load_prompts
 from dflash_trt.train.trainer import TrainConfig, train
-from dflash_trt.train.validate import is_validation, mark_validation
 
 
 def _options_from_dataclass(cls):
@@ -133,14 +141,25 @@ def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
 @_options_from_dataclass(TrainConfig)
 @friendly_errors
 def train_cmd(config_path, **overrides):
-    """Train a DFlash drafter (resumes from OUT/checkpoint); writes OUT/drafter."""
+    """Train a drafter of any family (resumes from OUT/checkpoint); writes OUT/drafter. Under torchrun
+    (`torchrun --nproc_per_node N -m dflash_trt.cli train ...`) the ranks split every batch."""
     if overrides.get("target_layer_ids"):
         overrides["target_layer_ids"] = parse_ints(overrides["target_layer_ids"], "--target-layer-ids")
+    if overrides.get("family_fields"):
+        try:
+            overrides["family_fields"] = json.loads(overrides["family_fields"])
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--family-fields: not JSON ({e.msg}); e.g. '{{\"markov_rank\": 64}}'") from None
     if config_path:
         cfg = load_yaml_dataclass(TrainConfig, config_path, overrides)
     else:
         cfg = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
-    click.echo(train(cfg))
+    try:
+        final = train(cfg)
+        if distributed.rank() == 0:  # torchrun: one line, not one per rank
+            click.echo(final)
+    finally:
+        distributed.shutdown()  # torchrun: leave the process group
 
 
 @click.command("eval")
@@ -171,6 +190,7 @@ def train_cmd(config_path, **overrides):
     "running product of drafter probabilities is at least this (default 0: every draft).",
 )
 @draft_length_option(DRAFT_LENGTHS)
+@proposer_option(PROPOSERS)
 @click.option("--json-out", default=None, help="Also write the results as JSON here.")
 @friendly_errors
 def eval_cmd(
@@ -185,6 +205,7 @@ def eval_cmd(
     block_sizes,
     draft_cutoffs,
     draft_length,
+    proposer,
     json_out,
 ):
     """Real DFlash generation on held-out prompts: tau, per-position acceptance, speedup."""
@@ -200,6 +221,7 @@ def eval_cmd(
         block_sizes=parse_ints(block_sizes, "--block-size") or None,
         draft_cutoffs=parse_floats(draft_cutoffs, "--draft-cutoff") or None,
         draft_length=draft_length,
+        proposer=proposer,
     )
     print_eval(res)
     if json_out:

@@ -17,7 +17,8 @@ from tqdm import tqdm
 from dflash_trt.api import encode, stop_ids
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.loop import generate_baseline
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.train.objective import trainable
 
 
 def read_sequences(data_dir: str | Path) -> list[dict]:
@@ -112,3 +113,50 @@ def _write_shard(out: Path, index: int, lines: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
+
+
+VALIDATION_MARKER = "VALIDATION"  # in a data folder made for validation: never used as training data
+
+
+def mark_validation(folder: str | Path, source: str) -> None:
+    Path(folder, VALIDATION_MARKER).write_text(json.dumps({"source": source}) + "\n")
+
+
+def is_validation(folder: str | Path) -> bool:
+    return Path(folder, VALIDATION_MARKER).is_file()
+
+
+def data_folders(cfg) -> list[str]:
+    """A TrainConfig's data folders; refused when none is given, or when one is a validation set (or val_data)."""
+    if not cfg.out:
+        raise ConfigError("out: give an output folder")
+    folders = [f for f in cfg.data.split(",") if f.strip()]
+    if not folders:
+        raise ConfigError("data: give a data folder (dflash-trt data generate / data score)")
+    for folder in folders:
+        if is_validation(folder):
+            raise ConfigError(
+                f"data {folder}: this is a validation set (made with --validation, from held-out "
+                f"prompts); train on other data and pass it as val_data instead"
+            )
+        if cfg.val_data and Path(cfg.val_data).resolve() == Path(folder).resolve():
+            raise ConfigError(
+                f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
+                f"sequences (dflash-trt data generate --validation)"
+            )
+    return folders
+
+
+def training_sequences(cfg, folders: list[str]) -> list[dict]:
+    """The folders' sequences with a response of at least one block, cut to max_seq_len."""
+    seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
+    if not seqs:
+        raise ConfigError(
+            f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
+            f"generate longer responses or lower block_size"
+        )
+    for s in seqs:
+        s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
+        if "target_next" in s:
+            s["target_next"] = s["target_next"][: cfg.max_seq_len]
+    return seqs

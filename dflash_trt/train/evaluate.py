@@ -42,6 +42,7 @@ def evaluate(
     device: str = "auto",
     draft_cutoffs: list[float] | None = None,
     draft_length: str = "block",
+    proposer: str = "dflash",
 ) -> dict:
     """DFlash at each of `block_sizes` (default: the drafter's own) x `draft_cutoffs` (default 0: verify
     every draft; decoding/draft_length.py) against the baseline, per prompt interleaved. A drafter
@@ -49,7 +50,10 @@ def evaluate(
     per token than on a GPU, often pays off best at a block well below B, or at B with the verify
     width cut to the drafts the drafter is sure of. The top-level fields are those of the first
     configuration; "sweep" lists every one. draft_length: what the cutoffs gate ("block": the drafter's
-    probabilities; "confidence": a DSpark drafter's confidence head, every cutoff then > 0)."""
+    probabilities; "confidence": a DSpark drafter's confidence head, every cutoff then > 0). proposer:
+    where the drafts come from, "dflash" | "ngram" | "hybrid" (decoding/engine.py PROPOSERS, which the
+    engine checks); rows carry `sources`, the steps / drafts / accepted drafts of the drafter and of the
+    copied text."""
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
     for c in cutoffs:  # before any model loads
         length_source(draft_length, check_cutoff(c, "--draft-cutoff"), "--draft-length")
@@ -78,7 +82,7 @@ def evaluate(
         generate_baseline(tgt, [ids], short)
         for b, c in configs:
             set_block_size(drafter, b)
-            generate(tgt, drafter, [ids], short, draft_cutoff=c, draft_length=draft_length)
+            generate(tgt, drafter, [ids], short, draft_cutoff=c, draft_length=draft_length, proposer=proposer)
     with CpuWatch() as watch:
         for p in prompts:
             ids = encode(tok, p, chat)
@@ -86,7 +90,7 @@ def evaluate(
             base.merge(b_out.stats)
             for b, c in configs:
                 set_block_size(drafter, b)
-                a = generate(tgt, drafter, [ids], params, draft_cutoff=c, draft_length=draft_length)
+                a = generate(tgt, drafter, [ids], params, draft_cutoff=c, draft_length=draft_length, proposer=proposer)
                 mismatches += a.tokens != b_out.tokens
                 spec[b, c].merge(a.stats)
     if mismatches and inexact_greedy_note(tgt.dtype) is None:
@@ -101,6 +105,7 @@ def evaluate(
             "block_size": b,
             "draft_cutoff": c,
             "draft_length": draft_length,
+            "proposer": proposer,
             "tau": st.tau,
             "predicted_tau": st.predicted_tau,
             "verified_drafts_per_step": st.drafts_per_step,
@@ -108,6 +113,7 @@ def evaluate(
             "per_position_acceptance": st.per_position_acceptance,
             "predicted_per_position": st.predicted_per_position,
             "accept_hist": st.accept_hist,
+            "sources": st.sources,
             "dflash_tokens_per_s": st.decode_tokens_per_s,
             "speedup": st.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None,
         }
@@ -165,6 +171,13 @@ def print_eval(res: dict) -> None:
             f"per-position acceptance (block {r['block_size']}, cutoff {r.get('draft_cutoff', 0.0):g}): "
             + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
         )
+        copied = (r.get("sources") or {}).get("copied") or {}
+        if copied.get("steps"):  # proposer ngram / hybrid: how the copied drafts fared beside the drafter's
+            drafter = r["sources"]["drafter"]
+            Console().print(
+                f"  copied drafts: {copied['accepted']}/{copied['drafts']} accepted in {copied['steps']} steps; "
+                f"drafter: {drafter['accepted']}/{drafter['drafts']} in {drafter['steps']} steps"
+            )
         if r.get("predicted_tau") is not None:  # a drafter with a confidence head: its prediction beside
             Console().print(
                 f"  predicted by the confidence head: tau {r['predicted_tau']:.2f}, per position "

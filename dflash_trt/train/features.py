@@ -4,7 +4,8 @@ Boundary: `target_taps` is one target forward over right-padded sequences return
 layers' outputs (no LM head), shared by the trainer (online features, the tap scale), validation
 (held-out features) and corpus scoring. `FeatureStore` keeps them on disk for offline training,
 keyed by a fingerprint of the sequences, the tap layers and FEATURE_FORMAT. What is tapped
-(distill.feature_layers) is decided by the callers.
+(distill.feature_layers) is decided by the callers. `target_block_logits` gives DSpark's training
+the target's logits at the block positions only; `taps_scale` the tap statistics of precondition.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dflash_trt.train.distill import feature_layers
+from dflash_trt.train.precondition import tap_scale
+
 
 @torch.no_grad()
 def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.Tensor:
@@ -29,6 +33,33 @@ def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.T
     ids = ids.to(target.device)
     no_logits = torch.zeros(len(seqs), 0, dtype=torch.long, device=target.device)  # the LM head is not needed
     return target.forward(ids, target.new_cache(len(seqs), S), tap_layers, logits_at=no_logits).taps
+
+
+@torch.no_grad()
+def target_block_logits(target, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's logits for the token of every block position 1..B-1: ids [N, S] (padded),
+    positions [N, J, B] (train/objective.make_blocks) -> [N, J, B-1, V] (position a+k-1 predicts
+    token a+k), as family_loss's teacher_logits; only those rows go through the LM head."""
+    N, J, B = positions.shape
+    at = positions[..., :-1].flatten(1).to(ids.device)
+    out = target.forward(ids, target.new_cache(N, ids.shape[1]), None, logits_at=at)
+    return out.logits.float().view(N, J, B - 1, -1)
+
+
+def taps_scale(target, seqs: list[dict], tap_layers: list[int], store=None, num: int = 32) -> torch.Tensor:
+    """Per-dimension RMS of the tapped features of the first `num` sequences (train/precondition.py),
+    from the offline store when there is one (the bf16 features training sees), else the target."""
+    ids = [s["input_ids"] for s in seqs[:num]]
+    rows = []
+    for i in range(0, len(ids), 4):
+        chunk = ids[i : i + 4]
+        f = (
+            store.get(list(range(i, i + len(chunk))), max(map(len, chunk)))
+            if store is not None
+            else target_taps(target, chunk, tap_layers).to(torch.bfloat16).cpu()
+        )  # same statistic either way
+        rows += [f[r, : len(c), : len(tap_layers) * target.config.hidden_size] for r, c in enumerate(chunk)]
+    return tap_scale(rows)
 
 
 # Bumped when the meaning of a stored feature changes, so that older stores are recomputed rather than
@@ -125,3 +156,16 @@ class FeatureStore:
             n = min(b - a, S)
             out[r, :n] = torch.from_numpy(np.array(self.mm[a : a + n]).view(np.int16)).view(torch.bfloat16)
         return out
+
+
+def offline_features(
+    cfg, target, dcfg, seqs: list[dict], out: Path, layers: list[int]
+) -> tuple[list[int], FeatureStore]:
+    """TrainConfig features: offline -- the taps precomputed once into a FeatureStore; returns the layers it holds."""
+    fdir = Path(cfg.features_dir or out / "features")
+    token_ids = [s["input_ids"] for s in seqs]
+    with_teacher = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, True)
+    if FeatureStore.holds(fdir, token_ids, with_teacher):
+        layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
+    FeatureStore.build(target, token_ids, layers, fdir, cfg.batch_size)
+    return layers, FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)

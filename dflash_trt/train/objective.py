@@ -280,6 +280,7 @@ def family_loss(
     soft: torch.Tensor | None = None,
     kd_weight: float = 0.0,
     target_logits: torch.Tensor | None = None,
+    teacher_logits: torch.Tensor | None = None,
     **options,
 ) -> LossOutput:
     """The training loss of the drafter's own family: dflash_loss for plain DFlash, otherwise the
@@ -287,20 +288,58 @@ def family_loss(
 
     target_logits [N, S, V]: the target's logits at every sequence position (TargetModel.forward),
     for objectives that match the target's distribution (DSpark's L1 and confidence terms); soft /
-    kd_weight: plain DFlash only. options: the family's own weights (see its train_terms)."""
+    kd_weight: plain DFlash only. options: the family's own weights (see its train_terms).
+    teacher_logits [N, J, B-1, V]: the same logits already gathered per block position (what the
+    trainer computes, target_block_logits), in place of target_logits."""
     hidden = drafter_train_forward(drafter, taps, blocks)  # [N, J, B, d]
     terms_of = getattr(drafter.config.family, "train_terms", None)
     if terms_of is None:  # a family without a head of its own trains as plain DFlash
         return _plain_loss(drafter, hidden, blocks, gamma, soft, kd_weight)
     if soft is not None and kd_weight > 0:
         raise ConfigError(f"kd_weight={kd_weight}: soft labels are not supported for {drafter.config.family.LABEL}")
-    teacher = None
-    if target_logits is not None:  # the target's distribution over the token of block position k
+    teacher = teacher_logits
+    if teacher is None and target_logits is not None:  # the target's distribution over the token of block position k
         at = blocks.positions[..., :-1].flatten(1)  # [N, J*(B-1)]: position a+k-1 predicts token a+k
         teacher = target_logits.gather(1, at[..., None].expand(-1, -1, target_logits.shape[-1]))
         teacher = teacher.view(*blocks.labels.shape, -1)  # [N, J, B-1, V]
     terms, predicted = terms_of(drafter, hidden, blocks.block_ids, blocks.labels, teacher, **options)
     return _reduce(blocks, gamma, terms, predicted, blocks.labels)
+
+
+def dpace_weights(prob: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (SpecForge 0.2.0 _dpace_weight, loss_type "dpace"), detached.
+    prob [..., K] the drafter's probability of each block position's label, mask [..., K] which
+    positions count: smooth = (1 - alpha) * p + alpha (1 at a masked-out position, a no-op in the
+    product), prefix = cumprod(smooth), weight_k = sum_{j >= k} prefix_j * mask_j."""
+    with torch.no_grad():
+        m = mask.to(prob.dtype)
+        smooth = torch.where(mask.bool(), (1.0 - alpha) * prob + alpha, torch.ones_like(prob))
+        prefix = smooth.cumprod(-1)
+        return (prefix * m).flip(-1).cumsum(-1).flip(-1)
+
+
+def dpace_loss(
+    drafter: DFlashDrafter, taps: torch.Tensor, blocks: BlockBatch, gamma: float, alpha: float = 0.5
+) -> LossOutput:
+    """Plain DFlash trained with the D-PACE objective: sum over valid labelled positions of
+    -log q(label) * dpace_weights, divided by the number of sequences N (SpecForge's denominator).
+    The D-PACE weights replace exp(-(k-1)/gamma); accuracy and tau_est are dflash_loss's."""
+    hidden = drafter_train_forward(drafter, taps, blocks)
+    logits = drafter.finish_logits(drafter.head_logits(hidden[:, :, 1:]))  # [N, J, B-1, Vd]
+    labels = blocks.labels
+    if drafter.draft_vocab is not None:
+        dv = drafter.draft_vocab.to(labels.device)
+        idx = torch.searchsorted(dv, labels.contiguous()).clamp_max(len(dv) - 1)
+        labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
+    nll = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none", ignore_index=-100)
+    nll = nll.view_as(labels)
+    mask = blocks.valid[..., None].expand_as(labels) & (labels != -100)
+    if blocks.label_mask is not None:
+        mask = mask & blocks.label_mask
+    w = dpace_weights(torch.exp(-nll.detach()), mask, alpha)
+    loss = (nll * mask * w).sum() / labels.shape[0]
+    stats = _reduce(blocks, gamma, [], logits.argmax(-1), labels)
+    return LossOutput(loss, stats.accuracy, stats.accepted, stats.num_blocks)
 
 
 def cosine_lr(step: int, total: int, peak: float, warmup_ratio: float) -> float:

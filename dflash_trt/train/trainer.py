@@ -1,9 +1,10 @@
 """Drafter training loop: TrainConfig (YAML + CLI overrides), features online or offline,
 AdamW with cosine schedule, resumable atomic checkpoints.
 
-Boundary: orchestration only; the objective is in objective.py, data formats in data.py, checkpoint
-save / resume in checkpoint.py, the target forward that taps features and the offline feature store
-in features.py.
+Boundary: orchestration only; the objective is in objective.py (family_loss: every drafter family;
+dpace_loss: loss=dpace), data formats in data.py, checkpoint save / resume / warm start in
+checkpoint.py, the target forward that taps features and the offline feature store in features.py,
+multi-process (torchrun) plumbing in distributed.py.
 Determinism: the epoch order and every batch's anchors derive from (seed, index), never from a
 running RNG, so a run resumed from a checkpoint at step k reaches the same weights as one that
 never stopped.
@@ -16,7 +17,7 @@ Output folder:
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -26,25 +27,37 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash_trt import families
 from dflash_trt.api import load_target, native_bf16, resolve_device
 from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.modeling.drafter import DFlashDrafter
-from dflash_trt.train.checkpoint import check_resume, resume, save_checkpoint, trainer_state
-from dflash_trt.train.data import read_sequences
+from dflash_trt.train import distributed
+from dflash_trt.train.checkpoint import (
+    check_resume,
+    freeze_except,
+    init_config,
+    resume,
+    save_checkpoint,
+    trainer_state,
+    warm_start,
+)
+from dflash_trt.train.data import data_folders, training_sequences
 from dflash_trt.train.distill import feature_layers, soft_labels, split_features
-from dflash_trt.train.features import FeatureStore, target_taps
+from dflash_trt.train.features import FeatureStore, offline_features, taps_scale, target_block_logits, target_taps
 from dflash_trt.train.objective import (
     cosine_lr,
     default_gamma,
-    dflash_loss,
+    dpace_loss,
+    family_loss,
     make_blocks,
     next_tokens,
     sample_anchors,
-    trainable,
 )
-from dflash_trt.train.precondition import tap_scale, use_tap_scaling
-from dflash_trt.train.validate import Validator, is_validation
+from dflash_trt.train.precondition import use_tap_scaling
+from dflash_trt.train.validate import MetricsLog, Validator
+
+FAMILY_NAMES = {m.NAME: m for m in families.FAMILIES.values()}
 
 
 @dataclass
@@ -63,7 +76,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     epochs: int = 1
     max_steps: int | None = None  # stop after this many optimizer steps (schedule still spans all epochs)
-    batch_size: int = 4  # sequences per micro-batch
+    batch_size: int = 4  # sequences per micro-batch (under torchrun: the global one, split among the ranks)
     grad_accum: int = 1
     max_seq_len: int = 1024  # longer sequences are truncated
     bf16: bool | None = (
@@ -80,6 +93,12 @@ class TrainConfig:
     val_data: str | None = None  # held-out data folder (data generate --validation): metrics at every save
     tap_scaling: bool = True  # train fc on taps / their per-dim RMS (target layers differ 10-100x); folded on save
     kd_weight: float = 0.0  # soft labels: loss = (1-a)*CE(label) + a*CE(target dist); > 0 also stores its last layer
+    family: str = "dflash"  # drafter family: dflash | dflash2 | dspark | domino (its own loss: family_loss)
+    family_fields: dict | None = None  # the family's own config fields (YAML mapping; CLI: JSON), e.g. markov_rank
+    init_from: str | None = None  # warm start: a DFlash drafter folder; backbone copied, family heads from init_heads
+    freeze_backbone: bool = False  # with init_from: train only the family's head parameters
+    loss: str = "dflash"  # plain DFlash objective: dflash (CE weighted exp(-(k-1)/gamma)) | dpace (D-PACE weights)
+    dpace_alpha: float = 0.5  # loss=dpace: smoothing of the acceptance prefix product, in [0, 1]
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -100,24 +119,41 @@ class TrainConfig:
             raise ConfigError(
                 f"kd_weight={self.kd_weight}: must be in [0, 1] (0: hard labels only, 1: soft labels only)"
             )
+        self._check_family()
+        world = distributed.world_size()
+        if self.batch_size % world:
+            raise ConfigError(f"batch_size={self.batch_size}: must divide evenly among WORLD_SIZE={world} ranks")
 
-
-def _tap_scale(
-    target, seqs: list[dict], tap_layers: list[int], store: FeatureStore | None, num: int = 32
-) -> torch.Tensor:
-    """Per-dimension RMS of the tapped features of the first `num` sequences (see precondition.py),
-    from the offline store when there is one (the bf16 features training sees), else the target."""
-    ids = [s["input_ids"] for s in seqs[:num]]
-    rows = []
-    for i in range(0, len(ids), 4):
-        chunk = ids[i : i + 4]
-        f = (
-            store.get(list(range(i, i + len(chunk))), max(map(len, chunk)))
-            if store is not None
-            else target_taps(target, chunk, tap_layers).to(torch.bfloat16).cpu()
-        )  # same statistic either way
-        rows += [f[r, : len(c), : len(tap_layers) * target.config.hidden_size] for r, c in enumerate(chunk)]
-    return tap_scale(rows)
+    def _check_family(self) -> None:
+        if self.family not in FAMILY_NAMES:
+            raise ConfigError(f"family={self.family!r}: choose one of {', '.join(FAMILY_NAMES)}")
+        mod, fields = FAMILY_NAMES[self.family], self.family_fields or {}
+        if not isinstance(fields, dict):
+            raise ConfigError(f"family_fields={fields!r}: must be a mapping of field: value")
+        for k, v in fields.items():
+            if k not in mod.CONFIG_KEYS:
+                owner = families.owner_of(k, v)
+                whose = f"a {owner.LABEL} field (family: {owner.NAME})" if owner else "no drafter family's field"
+                raise ConfigError(
+                    f"family_fields.{k}: {whose}, not a {mod.LABEL} one ({', '.join(mod.CONFIG_KEYS) or 'none'})"
+                )
+        missing = [k for k in mod.CONFIG_KEYS if k not in mod.DEFAULTS and k not in fields]
+        if missing:
+            raise ConfigError(f"family_fields: a {mod.LABEL} drafter needs {', '.join(missing)}")
+        plain = self.family == "dflash"
+        if self.loss not in ("dflash", "dpace"):
+            raise ConfigError(f"loss={self.loss!r}: choose 'dflash' or 'dpace'")
+        if self.loss == "dpace" and not plain:
+            raise ConfigError(f"loss=dpace: weights plain DFlash's CE; family={self.family} trains its own terms")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ConfigError(f"dpace_alpha={self.dpace_alpha}: must be in [0, 1]")
+        if self.draft_vocab and (self.init_from or not plain):
+            why = "init_from keeps the backbone's" if plain else f"family={self.family} trains on the full vocabulary"
+            raise ConfigError(f"draft_vocab={self.draft_vocab}: leave 0 ({why})")
+        if self.kd_weight and not plain:
+            raise ConfigError(f"kd_weight={self.kd_weight}: soft labels train plain DFlash only, not {mod.LABEL}")
+        if self.freeze_backbone and (not self.init_from or plain):
+            raise ConfigError("freeze_backbone: needs init_from and a family with heads of its own (not dflash)")
 
 
 def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
@@ -132,86 +168,24 @@ def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
     return torch.tensor(sorted(top), dtype=torch.long)
 
 
-class _MetricsLog:
-    """OUT/metrics.jsonl; on resume, lines from beyond the checkpoint's step are dropped (they are redone)."""
-
-    def __init__(self, path: Path, step: int):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        keep = []
-        if path.is_file():
-            for ln in path.read_text().splitlines():
-                try:
-                    if json.loads(ln)["step"] <= step:
-                        keep.append(ln)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    pass
-        path.write_text("".join(k + "\n" for k in keep))
-
-    def write(self, row: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def _data_folders(cfg: TrainConfig) -> list[str]:
-    """cfg.data's folders; refused when none is given, or when one is a validation set (or val_data)."""
-    if not cfg.out:
-        raise ConfigError("out: give an output folder")
-    folders = [f for f in cfg.data.split(",") if f.strip()]
-    if not folders:
-        raise ConfigError("data: give a data folder (dflash-trt data generate / data score)")
-    for folder in folders:
-        if is_validation(folder):
-            raise ConfigError(
-                f"data {folder}: this is a validation set (made with --validation, from held-out "
-                f"prompts); train on other data and pass it as val_data instead"
-            )
-        if cfg.val_data and Path(cfg.val_data).resolve() == Path(folder).resolve():
-            raise ConfigError(
-                f"val_data {cfg.val_data}: is the training data itself; held-out metrics need other "
-                f"sequences (dflash-trt data generate --validation)"
-            )
-    return folders
-
-
-def _training_sequences(cfg: TrainConfig, folders: list[str]) -> list[dict]:
-    """The folders' sequences with a response of at least one block, cut to max_seq_len."""
-    seqs = [s for folder in folders for s in read_sequences(folder) if trainable(s, cfg.block_size)]
-    if not seqs:
-        raise ConfigError(
-            f"data {cfg.data}: no sequence has a response of >= block_size={cfg.block_size} tokens; "
-            f"generate longer responses or lower block_size"
-        )
-    for s in seqs:
-        s["input_ids"] = s["input_ids"][: cfg.max_seq_len]
-        if "target_next" in s:
-            s["target_next"] = s["target_next"][: cfg.max_seq_len]
-    return seqs
-
-
 def _drafter_config(cfg: TrainConfig, target, seqs: list[dict]) -> tuple[DrafterConfig, torch.Tensor | None]:
-    """The drafter's shape for this target, and its draft vocabulary (None: the target's whole one)."""
+    """The drafter's shape and family for this target, and its draft vocabulary (None: the target's
+    whole one, or init_from's)."""
     dcfg = DrafterConfig.for_target(
         target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids
     )
+    mod = FAMILY_NAMES[cfg.family]
+    if mod.ARCHITECTURE != dcfg.architectures[0]:  # the family's fields are checked against this shape here
+        dcfg = dataclasses.replace(dcfg, architectures=[mod.ARCHITECTURE], family_fields=dict(cfg.family_fields or {}))
     vocab = None
-    if cfg.draft_vocab:
+    if cfg.init_from:
+        dcfg.draft_vocab_size = init_config(cfg.init_from, dcfg).draft_vocab_size
+        if dcfg.draft_vocab_size is not None and cfg.family != "dflash":
+            raise ConfigError(f"init_from={cfg.init_from}: has a draft vocabulary; {mod.LABEL} trains on the full one")
+    elif cfg.draft_vocab:
         vocab = frequent_tokens(seqs, min(cfg.draft_vocab, target.vocab_size))
         dcfg.draft_vocab_size = len(vocab)
     return dcfg, vocab
-
-
-def _offline_features(
-    cfg: TrainConfig, target, dcfg: DrafterConfig, seqs: list[dict], out: Path, layers: list[int]
-) -> tuple[list[int], FeatureStore]:
-    """features: offline -- the taps precomputed once into a FeatureStore; returns the layers it holds."""
-    fdir = Path(cfg.features_dir or out / "features")
-    token_ids = [s["input_ids"] for s in seqs]
-    with_teacher = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, True)
-    if FeatureStore.holds(fdir, token_ids, with_teacher):
-        layers = with_teacher  # a soft-label run's features serve a hard-label run too (teacher unread)
-    FeatureStore.build(target, token_ids, layers, fdir, cfg.batch_size)
-    return layers, FeatureStore(fdir, [len(s["input_ids"]) for s in seqs], len(layers) * dcfg.hidden_size)
 
 
 def _micro_batch_indices(num_seqs: int, batch_size: int, seed: int, i: int, per_epoch: int) -> list[int]:
@@ -227,15 +201,29 @@ def _micro_batch_loss(
     target,
     drafter: DFlashDrafter,
     seqs: list[dict],
-    idx: list[int],
+    gidx: list[int],
+    share: slice,
     i: int,
     store: FeatureStore | None,
     layers: list[int],
     gamma: float,
     autocast,
 ):
-    """The DFlash loss of micro-batch i (sequences idx), before backward; and its token count."""
-    batch = [seqs[j] for j in idx]
+    """The loss of this rank's share of global micro-batch i (sequences gidx), before backward; its
+    token count; and the factor that makes it its part of the global batch's loss (distributed.py).
+    Anchors come from (seed, i) for the whole global batch, so no sample depends on the world size."""
+    gbatch = [seqs[j] for j in gidx]
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # anchors from (seed, index): resumable
+    g_anchors, g_valid = sample_anchors(
+        [len(s["input_ids"]) for s in gbatch],
+        [s["prompt_len"] for s in gbatch],
+        cfg.anchors_per_seq,
+        cfg.block_size,
+        gen,
+    )
+    idx, batch, anchors, valid = gidx[share], gbatch[share], g_anchors[share], g_valid[share]
+    if not batch:  # a short last batch of an epoch: nothing for this rank
+        return None, 0, 0.0
     lens = [len(s["input_ids"]) for s in batch]
     S = max(lens)
     ids = torch.zeros(len(batch), S, dtype=torch.long)
@@ -246,8 +234,6 @@ def _micro_batch_loss(
         store.get(idx, S).to(target.device) if store else target_taps(target, [s["input_ids"] for s in batch], layers)
     )
     taps, teacher = split_features(feats, dcfg.num_taps, dcfg.hidden_size)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # anchors from (seed, index): resumable
-    anchors, valid = sample_anchors(lens, [s["prompt_len"] for s in batch], cfg.anchors_per_seq, cfg.block_size, gen)
     blocks = make_blocks(
         ids,
         anchors.to(ids.device),
@@ -256,16 +242,23 @@ def _micro_batch_loss(
         dcfg.mask_token_id,
         next_tokens(batch, S, ids.device),
     )
+    if cfg.loss == "dpace":  # normalised by the number of sequences
+        with autocast:
+            res = dpace_loss(drafter, taps, blocks, gamma, cfg.dpace_alpha)
+        return res, sum(lens), distributed.loss_scale(len(batch), len(gbatch))
     soft = soft_labels(drafter, teacher, blocks.positions) if teacher is not None and cfg.kd_weight else None
+    # DSpark's L1 and confidence terms match the target's distribution at each block position
+    logits = target_block_logits(target, ids, blocks.positions) if cfg.family == "dspark" else None
     with autocast:
-        res = dflash_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight)
-    return res, sum(lens)
+        res = family_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight, teacher_logits=logits)
+    return res, sum(lens), distributed.loss_scale(float(valid.sum()), float(g_valid.sum()))
 
 
-def _log_step(bar, metrics: _MetricsLog, step: int, res, lr: float, tok_s: float) -> None:
+def _log_step(bar, metrics: MetricsLog, step: int, res, loss: torch.Tensor, lr: float, tok_s: float) -> None:
+    """loss: the last micro-batch's global loss (all ranks); accuracy / tau_est: this rank's share's."""
     acc = res.accuracy.tolist()
     bar.set_postfix(
-        loss=f"{res.loss.item():.3f}",
+        loss=f"{loss.item():.3f}",
         acc1=f"{acc[0]:.2f}",
         tau_est=f"{1 + res.accepted.item():.2f}",
         tok_s=f"{tok_s:.0f}",
@@ -274,7 +267,7 @@ def _log_step(bar, metrics: _MetricsLog, step: int, res, lr: float, tok_s: float
     metrics.write(
         {
             "step": step,
-            "loss": res.loss.item(),
+            "loss": loss.item(),
             "acc": [round(a, 4) for a in acc],
             "tau_est": 1 + res.accepted.item(),
             "lr": lr,
@@ -283,7 +276,7 @@ def _log_step(bar, metrics: _MetricsLog, step: int, res, lr: float, tok_s: float
     )
 
 
-def _log_validation(bar, metrics: _MetricsLog, step: int, v: dict) -> None:
+def _log_validation(bar, metrics: MetricsLog, step: int, v: dict) -> None:
     metrics.write({"step": step, **v})
     bar.write(
         f"step {step}: held-out loss {v['val_loss']:.3f}, tau_est {v['val_tau_est']:.2f}, "
@@ -291,15 +284,39 @@ def _log_validation(bar, metrics: _MetricsLog, step: int, v: dict) -> None:
     )
 
 
+def _make_drafter(cfg: TrainConfig, target, dcfg, vocab, state, seqs, store) -> DFlashDrafter:
+    """The drafter to train, with its tap scale, draft vocabulary, warm start and frozen backbone."""
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
+    if vocab is not None and state is None:
+        drafter.draft_vocab.copy_(vocab)
+    if cfg.tap_scaling:  # the scale is kept in the trainer state: a resumed run uses the same one
+        scale = state["tap_scale"] if state is not None else taps_scale(target, seqs, dcfg.target_layer_ids, store)
+        use_tap_scaling(drafter, scale)
+    if state is None and cfg.init_from:
+        heads = warm_start(drafter, cfg.init_from, cfg.freeze_backbone)
+        if distributed.rank() == 0:
+            print(f"init_from {cfg.init_from}: backbone copied; {len(heads)} head tensors from init_heads")
+    elif state is not None and cfg.freeze_backbone:
+        freeze_except(drafter, state["trained"])
+    if cfg.family == "dspark" and distributed.rank() == 0:
+        print("dspark: CE + L1 + confidence terms against the target's logits (computed each batch)")
+    return drafter
+
+
 def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
-    """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint."""
-    folders = _data_folders(cfg)
+    """Train a drafter for cfg.target on cfg.data; returns OUT/drafter. Resumes from OUT/checkpoint.
+    Under torchrun (WORLD_SIZE > 1) each rank trains its share of every batch (distributed.py)."""
+    folders = data_folders(cfg)
     out = Path(cfg.out)
     if target is None:
         if not cfg.target:
             raise ConfigError("target: give a target model name or folder")
-        target, _ = load_target(cfg.target, cfg.dtype, progress, for_training=True, device=cfg.device)
-    seqs = _training_sequences(cfg, folders)
+        device = distributed.local_device(cfg.device)
+        target, _ = load_target(cfg.target, cfg.dtype, progress, for_training=True, device=device)
+    world = distributed.world_size() if distributed.setup(target.device) else 1
+    rank = distributed.rank() if world > 1 else 0
+    seqs = training_sequences(cfg, folders)
     dcfg, vocab = _drafter_config(cfg, target, seqs)
     ckpt = out / "checkpoint"
     data_fp = FeatureStore.fingerprint([s["input_ids"] for s in seqs], [cfg.seed, cfg.batch_size, cfg.grad_accum])
@@ -310,52 +327,65 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     store = None
     layers = feature_layers(dcfg.target_layer_ids, target.config.num_hidden_layers, cfg.kd_weight > 0)
     if cfg.features == "offline":
-        layers, store = _offline_features(cfg, target, dcfg, seqs, out, layers)
-    torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dcfg).bind(target, cast=False).to(device=target.device, dtype=torch.float32).train()
-    if vocab is not None and state is None:
-        drafter.draft_vocab.copy_(vocab)
-    if cfg.tap_scaling:  # the scale is kept in the trainer state: a resumed run uses the same one
-        scale = state["tap_scale"] if state is not None else _tap_scale(target, seqs, dcfg.target_layer_ids, store)
-        use_tap_scaling(drafter, scale)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        if rank == 0:  # one rank writes the store; the others open it
+            layers, store = offline_features(cfg, target, dcfg, seqs, out, layers)
+        distributed.barrier()
+        if rank != 0:
+            layers, store = offline_features(cfg, target, dcfg, seqs, out, layers)
+    drafter = _make_drafter(cfg, target, dcfg, vocab, state, seqs, store)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)
     total = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
     stop_at = min(total, cfg.max_steps or total)
     step = resume(ckpt, state, drafter, opt, cfg.tap_scaling)
     validator = None
-    if cfg.val_data:
+    if cfg.val_data and rank == 0:
         validator = Validator(
             target, cfg.val_data, dcfg.target_layer_ids, cfg.block_size, dcfg.mask_token_id, gamma, cfg.max_seq_len
         )
-    metrics = _MetricsLog(out / "metrics.jsonl", step)
+    metrics = MetricsLog(out / "metrics.jsonl", step) if rank == 0 else None
     use_bf16 = native_bf16(target.device) if cfg.bf16 is None else cfg.bf16
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress)
-    t0, seen = time.perf_counter(), 0
+    bar = tqdm(total=stop_at, initial=step, desc="training drafter", disable=not progress or rank != 0)
+    t0, seen, res = time.perf_counter(), 0, None
     while step < stop_at:
         lr = cosine_lr(step, total, cfg.lr, cfg.warmup_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
+        part = torch.zeros((), device=target.device)  # this rank's part of the last micro-batch's global loss
         for m in range(cfg.grad_accum):
             i = step * cfg.grad_accum + m  # global micro-batch index
-            idx = _micro_batch_indices(len(seqs), cfg.batch_size, cfg.seed, i, per_epoch)
-            res, tokens = _micro_batch_loss(cfg, dcfg, target, drafter, seqs, idx, i, store, layers, gamma, autocast)
-            (res.loss / cfg.grad_accum).backward()
+            gidx = _micro_batch_indices(len(seqs), cfg.batch_size, cfg.seed, i, per_epoch)
+            share = distributed.share(gidx, rank, world)
+            out_i, tokens, scale = _micro_batch_loss(
+                cfg, dcfg, target, drafter, seqs, gidx, share, i, store, layers, gamma, autocast
+            )
+            if out_i is not None:
+                res = out_i
+                loss = res.loss * scale if scale != 1.0 else res.loss
+                (loss / cfg.grad_accum).backward()
+                part = loss.detach().float()
             seen += tokens
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        distributed.all_reduce_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == stop_at:
-            _log_step(bar, metrics, step, res, lr, seen / (time.perf_counter() - t0))
+            global_loss = distributed.global_mean(part)  # every rank takes part
+            if metrics is not None and res is not None:
+                _log_step(bar, metrics, step, res, global_loss, lr, seen * world / (time.perf_counter() - t0))
         if step % cfg.save_every == 0 or step == stop_at:
             if validator is not None:
                 _log_validation(bar, metrics, step, validator(drafter))
-            save_checkpoint(ckpt, drafter, trainer_state(cfg, drafter, opt, step, data_fp))
+            if rank == 0:
+                save_checkpoint(ckpt, drafter, trainer_state(cfg, drafter, opt, step, data_fp))
     bar.close()
     final = out / "drafter"
-    DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)
+    if rank == 0:
+        DFlashDrafter.from_pretrained(ckpt).save_pretrained(final)
+    distributed.barrier()
     return final

@@ -21,17 +21,7 @@ from dflash_trt.bench.datasets import spread
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import read_sequences
 from dflash_trt.train.features import target_taps
-from dflash_trt.train.objective import BlockBatch, anchor_range, dflash_loss, make_blocks, next_tokens, trainable
-
-VALIDATION_MARKER = "VALIDATION"  # in a data folder made for validation: never used as training data
-
-
-def mark_validation(folder: str | Path, source: str) -> None:
-    Path(folder, VALIDATION_MARKER).write_text(json.dumps({"source": source}) + "\n")
-
-
-def is_validation(folder: str | Path) -> bool:
-    return Path(folder, VALIDATION_MARKER).is_file()
+from dflash_trt.train.objective import BlockBatch, anchor_range, family_loss, make_blocks, next_tokens, trainable
 
 
 def fixed_anchors(length: int, prompt_len: int, block_size: int, num: int) -> list[int]:
@@ -97,7 +87,7 @@ class Validator:
         n = loss = accepted = 0.0
         acc = None
         for taps, blocks in self.batches:
-            res = dflash_loss(drafter, taps, blocks, self.gamma)
+            res = family_loss(drafter, taps, blocks, self.gamma)
             k = res.num_blocks
             n += k
             loss += res.loss.item() * k
@@ -111,3 +101,24 @@ class Validator:
             "val_acc": [round(a, 4) for a in (acc / n).tolist()],
             "val_blocks": int(n),
         }
+
+
+class MetricsLog:
+    """OUT/metrics.jsonl; on resume, lines from beyond the checkpoint's step are dropped (they are redone)."""
+
+    def __init__(self, path: Path, step: int):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keep = []
+        if path.is_file():
+            for ln in path.read_text().splitlines():
+                try:
+                    if json.loads(ln)["step"] <= step:
+                        keep.append(ln)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    pass
+        path.write_text("".join(k + "\n" for k in keep))
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")

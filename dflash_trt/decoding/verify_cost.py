@@ -1,0 +1,96 @@
+"""Cost-aware draft length (draft_length="cost"): per round, verify the width that maximises expected
+emitted tokens per second, from the drafts' acceptance probabilities and this machine's verify cost.
+
+Boundary: the cost curve (measured once per engine) and the width choice, tensors in, an int out.
+Which probabilities feed it is the engine's choice (the confidence head where the drafter has one,
+else the drafter's own probability of each draft, r^j for copied drafts).
+
+A round that verifies width W (the last token and W-1 drafts) on R rows costs draft + verify(R * W)
+seconds and emits R + sum_r sum_{j < W-1} s_r[j] tokens in expectation, where s_r[j] = P(drafts
+1..j+1 of row r are all accepted) (the running product of per-draft acceptance probabilities). The
+engine verifies every row at one width (one target pass), so one W is chosen for the batch: the
+argmax of tokens / seconds over W = 1..B. Lossless: only how many drafts are judged changes, and the
+choice reads the drafts' probabilities, never the target's verdict (decoding/draft_length.py).
+
+Why a measured curve: a verify pass over W tokens costs about W times a 1-token step on a CPU once W
+passes a few tokens, and about the same as one step on a GPU up to tens of tokens. On a GPU the curve
+is flat and the choice is the whole block; on a CPU it is the short run the drafter is sure of.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerifyCost:
+    """Seconds of one verify pass by total tokens scored (rows x width): points measured on this
+    machine, linear in between and beyond the last."""
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __call__(self, n: int) -> float:
+        t, s = self.tokens, self.seconds
+        if n <= t[0]:
+            return s[0]
+        for i in range(1, len(t)):
+            if n <= t[i]:
+                return s[i - 1] + (s[i] - s[i - 1]) * (n - t[i - 1]) / (t[i] - t[i - 1])
+        slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
+        return s[-1] + slope * (n - t[-1])
+
+    @classmethod
+    def measure(cls, target, max_tokens: int, tap_layers: list[int], reps: int = 3, context: int = 32) -> VerifyCost:
+        """Time target.forward over n = 1, 2, 4, ... max_tokens tokens after a `context`-token prefix
+        (the median of `reps` passes each, after one warm-up), as the engine's verify calls it."""
+        grid = sorted({1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens} | {max_tokens})
+        cache = target.new_cache(1, context + max_tokens + 1)
+        g = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, target.vocab_size, (context,), generator=g).tolist()
+        target.prefill([prefix], cache)
+        base = cache.lengths.clone()
+        seconds = []
+        for n in grid:
+            ids = torch.randint(0, target.vocab_size, (1, n), generator=g).to(target.device)
+            times = []
+            for _ in range(reps + 1):
+                cache.crop(base)
+                t0 = time.perf_counter()
+                target.forward(ids, cache, tap_layers)
+                _sync(target.device)
+                times.append(time.perf_counter() - t0)
+            seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+        cache.crop(base)
+        return cls(grid, seconds)
+
+
+def for_target(target, max_tokens: int, tap_layers: list[int]) -> VerifyCost:
+    """The target's measured curve, measured once per target object and size: every engine built
+    over the same target (generate() builds one per call) reuses it."""
+    cache = target.__dict__.setdefault("_verify_costs", {})
+    key = (max_tokens, tuple(tap_layers))
+    if key not in cache:
+        cache[key] = VerifyCost.measure(target, max_tokens, tap_layers)
+    return cache[key]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_width(survival: torch.Tensor, caps: torch.Tensor, cost: VerifyCost, draft_seconds: float) -> int:
+    """The verify width W in 1..B maximising expected tokens per second for the batch.
+
+    survival [R, B-1]  P(drafts 1..j+1 all accepted) per row
+    caps     [R]       drafts each row can offer (copied continuations may be shorter than B-1)
+    """
+    R, n = survival.shape
+    live = torch.arange(n, device=survival.device)[None] < caps[:, None]
+    gain = torch.cat([survival.new_zeros(1), (survival.float() * live).sum(0).cumsum(0)]).tolist()  # [B]
+    rates = [(R + gain[w - 1]) / (draft_seconds + cost(R * w)) for w in range(1, n + 2)]
+    return 1 + max(range(len(rates)), key=rates.__getitem__)
