@@ -102,11 +102,22 @@ def test_choose_takes_the_copy_only_when_it_expects_more():
     n = torch.tensor([3, 3])
     prob = torch.tensor([[0.9, 0.9, 0.9], [0.1, 0.1, 0.1]])  # drafter expects 2.44 and 0.11 accepted
     props = [NgramProposal([6, 7], 3), NgramProposal([6, 7], 3)]
-    chosen = hybrid.choose(block, q, n, prob, props, [0.5, 0.5])  # copy expects 0.75
+    chosen = hybrid.choose(block, q, n, prob, props, [[0.5, 0.25, 0.125]] * 2)  # copy expects 0.75
     assert chosen == [False, True]
     assert block.tolist() == [[5, 1, 1, 1], [5, 6, 7, 1]] and n.tolist() == [3, 2]
     assert q[1, 0, 6] == 1 and q[1, 0].sum() == 1 and q[1, 1, 7] == 1 and torch.equal(q[0], torch.full((3, 8), 0.125))
-    assert hybrid.choose(block, None, n, prob, [NgramProposal([], 0)] * 2, [0.9, 0.9]) == [False, False]
+    assert hybrid.choose(block, None, n, prob, [NgramProposal([], 0)] * 2, [[0.9] * 3] * 2) == [False, False]
+
+
+def test_copy_survival_is_per_position():
+    rec = hybrid.NgramRecord()
+    assert rec.survival(2) == [0.5, 0.25]  # no data: Laplace
+    for _ in range(3):  # all or nothing: three copies of 4 taken whole, three rejected at once
+        rec.record_copy(4, 4)
+        rec.record_copy(4, 0)
+    s = rec.survival(4)
+    assert rec.reached == [6, 3, 3, 3] and rec.hits == [3, 3, 3, 3]
+    assert s[0] == pytest.approx(0.5) and s[3] == pytest.approx(0.5 * 0.8**3)  # not 0.5**4
 
 
 def test_refusals_are_one_line():

@@ -25,7 +25,7 @@ from dflash_trt.decoding import hybrid, proposal
 from dflash_trt.decoding import verify_cost as verify_costs
 from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
 from dflash_trt.decoding.hybrid import NgramRecord
-from dflash_trt.decoding.ngram import SuffixIndex
+from dflash_trt.decoding.ngram import NgramProposal, SuffixIndex
 from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.decoding.proposal import Proposal
 from dflash_trt.decoding.stats import DecodeStats
@@ -38,6 +38,8 @@ from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
 
 PROPOSERS = proposal.PROPOSERS
+PROBE_EVERY = 8  # draft_length=cost: a drafter that has not been paying is still tried every 8th round
+NO_COPY = NgramProposal([], 0)
 
 
 @dataclass
@@ -116,6 +118,7 @@ class SpecEngine:
                 target, min(max_batch * self.block_size, 512), self.tap_layers
             )
         self.draft_seconds = 0.0  # running mean of the propose step's time, for draft_length=cost
+        self.skipped = 0  # draft_length=cost: rounds the drafter has been skipped since its last probe
         self.reqs: list[_Request] = []  # row order of every batch tensor below
         self.tcache = self.dcache = None
         self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
@@ -228,27 +231,42 @@ class SpecEngine:
         accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
         drafts = block[:, 1:].tolist()
         survival = None if prop.predicted is None else prop.predicted.float().cumprod(dim=1).tolist()
+        record = hybrid.record_of(self.drafter)
+        claimed = None  # hybrid: what the drafter's probabilities expected of its verified drafts
+        if self.proposer == "hybrid" and prop.probability is not None:
+            claimed = prop.probability.float().cumprod(dim=1).tolist()
         for r, req in enumerate(self.reqs):
             a, copied = accepted[r], prop.copied[r]
             predicted = None if survival is None or copied else survival[r][: drafted[r]]
             req.stats.record(a, drafted[r], predicted, copied)
             if copied:
-                req.ngram.drafted += drafted[r]
-                req.ngram.accepted += a
+                req.ngram.record_copy(drafted[r], a)
+            elif prop.drafter_ran:
+                record.add(a, drafted[r], t1 - t0)
+                if claimed is not None:
+                    req.ngram.drafter_expected += sum(claimed[r][: drafted[r]])
+                    req.ngram.drafter_accepted += a
             req.stats.draft_time += t1 - t0
             req.stats.verify_time += t2 - t1
             self._emit(req, drafts[r][:a] + [bonus[r]])
         self._drop_finished()
 
     def propose(self) -> Proposal:
-        """Inject last round's target features, draft a block through the drafter's family
-        (dflash_trt/families); with proposer=hybrid, rows whose own text offers a better continuation
-        take it instead (decoding/hybrid.py)."""
+        """Inject last round's target features, draft a block through the drafter's family (families/);
+        rows whose own text offers a better continuation take it instead (hybrid, decoding/hybrid.py)."""
         R, B = len(self.reqs), self.block_size
         rows = [(r.params, r.generator) for r in self.reqs]
         if self.proposer == "ngram":
             prop = proposal.copy_all(self.last, self.reqs, B, self.drafter.mask_token_id, self.target.vocab_size)
             return self._by_cost(prop, {})
+        proposals = [NO_COPY] * R
+        if self.proposer == "hybrid":
+            proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
+            survivals = [r.ngram.survival(B - 1) for r in self.reqs]
+        if self._skip_drafter(proposals, survivals if self.proposer == "hybrid" else None):
+            self.drafter.inject_context(self.pending, self.pending_n, self.dcache)  # keep its context whole
+            mask, V = self.drafter.mask_token_id, self.target.vocab_size
+            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V, proposals), {})
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
             gated = "probability" in self.needs
@@ -267,16 +285,32 @@ class SpecEngine:
             n_draft = draft_lengths(conf[self.length_source], self.draft_cutoff)
         copied = [False] * R
         if self.proposer == "hybrid":
-            proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
-            rates = [r.ngram.rate for r in self.reqs]
-            copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, rates)
-        return self._by_cost(Proposal(block, q, n_draft, conf.get("confidence"), copied), conf)
+            calibrations = [r.ngram.calibration for r in self.reqs]
+            copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, survivals, calibrations)
+        prop = Proposal(block, q, n_draft, conf.get("confidence"), copied, conf.get("probability"))
+        return self._by_cost(prop, conf)
+
+    def _skip_drafter(self, proposals, survivals) -> bool:
+        """Rounds without the drafter: every row has a copy expected to do at least as well as the
+        drafter has been doing (hybrid), or, with draft_length=cost, drafting has not been paying
+        for itself against plain decode steps (probed every PROBE_EVERY skipped rounds)."""
+        record = hybrid.record_of(self.drafter)
+        if survivals is not None and hybrid.copies_win(proposals, survivals, record):
+            return True
+        if self.length_source != "cost" or not record.rounds:
+            return False
+        if verify_costs.drafter_pays(record.accepted, 1.0 + record.drafted, record.seconds, len(self.reqs), self.cost):
+            self.skipped = 0
+            return False
+        self.skipped = (self.skipped + 1) % PROBE_EVERY
+        return self.skipped != 0
 
     def _by_cost(self, prop: Proposal, conf: dict) -> Proposal:
         if self.length_source != "cost":
             return prop
-        rates = [r.ngram.rate if r.ngram is not None else 0.0 for r in self.reqs]
-        return proposal.cut_by_cost(prop, conf.get(self.cost_source), rates, self.cost, self.draft_seconds)
+        n = self.block_size - 1
+        survivals = [r.ngram.survival(n) if r.ngram is not None else [0.0] * n for r in self.reqs]
+        return proposal.cut_by_cost(prop, conf.get(self.cost_source), survivals, self.cost, self.draft_seconds)
 
     def verify(self, block: torch.Tensor):
         """The target scores the block (the last token and the drafts to verify) in one pass:

@@ -78,11 +78,14 @@ class Proposal:
     n_draft: torch.Tensor  # [R] drafts to verify per row
     predicted: torch.Tensor | None  # [R, B-1] the confidence head's acceptance predictions (None: no head)
     copied: list[bool]  # per row: drafts copied from its own text (proposer=ngram / hybrid)
+    probability: torch.Tensor | None = None  # [R, B-1] the drafter's per-draft probability (hybrid's record)
+    drafter_ran: bool = True  # False: copies only, or plain steps (the drafter was skipped this round)
 
 
-def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int) -> Proposal:
-    """proposer=ngram: every row verifies the continuation copied from its own text (none: a plain
-    decode step). last [R] the tokens that open the blocks; reqs: the rows' requests (params, index)."""
+def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int, proposals=None) -> Proposal:
+    """proposer=ngram (and hybrid rounds without the drafter): every row verifies the continuation
+    copied from its own text (none: a plain decode step). last [R] the tokens that open the blocks;
+    reqs: the rows' requests (params, index); proposals: their NgramProposals when already made."""
     R, dev = len(reqs), last.device
     block = torch.full((R, B), mask_id, dtype=torch.long, device=dev)
     block[:, 0] = last
@@ -91,25 +94,29 @@ def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int) ->
     n_draft = torch.zeros(R, dtype=torch.long, device=dev)
     copied = []
     for i, req in enumerate(reqs):
-        toks = req.index.propose(B - 1, hybrid.MIN_MATCH).tokens
+        toks = (proposals[i] if proposals else req.index.propose(B - 1, hybrid.MIN_MATCH)).tokens
         hybrid.place(block, q, n_draft, i, toks)
         copied.append(bool(toks))
-    return Proposal(block, q, n_draft, None, copied)
+    return Proposal(block, q, n_draft, None, copied, drafter_ran=False)
 
 
 def cut_by_cost(
-    prop: Proposal, estimates: torch.Tensor | None, rates: list[float], cost: VerifyCost, draft_seconds: float
+    prop: Proposal,
+    estimates: torch.Tensor | None,
+    survivals: list[list[float]],
+    cost: VerifyCost,
+    draft_seconds: float,
 ) -> Proposal:
     """draft_length=cost: cut every row to the batch's best verify width (decoding/verify_cost.py).
     A row's survival is the running product of its drafts' acceptance estimates: the drafter's
-    (estimates [R, B-1], None when it offers none) or, for a copied row, its copy rate r per draft."""
+    (estimates [R, B-1], None when it offers none) or, for a copied row, its copies' record
+    (survivals: per row, NgramRecord.survival(B-1))."""
     R, n = prop.block.shape[0], prop.block.shape[1] - 1
     dev = prop.block.device
     survival = torch.zeros(R, n, device=dev) if estimates is None else estimates.float().cumprod(dim=1)
-    steps = torch.arange(1, n + 1, device=dev, dtype=torch.float32)
     for r in range(R):
         if prop.copied[r]:
-            survival[r] = rates[r] ** steps
+            survival[r] = torch.tensor(survivals[r][:n], device=dev)
     width = best_width(survival, prop.n_draft, cost, draft_seconds)
     prop.n_draft = prop.n_draft.clamp(max=width - 1)
     return prop

@@ -83,6 +83,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def drafter_pays(mean_accepted: float, mean_width: float, draft_seconds: float, rows: int, cost: VerifyCost) -> bool:
+    """Whether drafting has been paying: its rounds' expected tokens per second (1 + accepted drafts per
+    row, at its mean verify width and draft time) at least a plain decode step's (1 token per cost(R)).
+    Where it does not (a drafter off its training distribution, on a CPU), the engine takes plain steps
+    and probes the drafter now and then, so output speed stays at least plain decoding's."""
+    return (1.0 + mean_accepted) / (draft_seconds + cost(rows * mean_width)) >= 1.0 / cost(rows)
+
+
 def best_width(survival: torch.Tensor, caps: torch.Tensor, cost: VerifyCost, draft_seconds: float) -> int:
     """The verify width W in 1..B maximising expected tokens per second for the batch.
 
