@@ -38,30 +38,27 @@ PROPOSER_HELP = (
 )
 
 
-def proposer_option(choices, flag: str = "--proposer", help_prefix: str = ""):
-    """--proposer: `choices` from the caller (decoding/engine.py PROPOSERS, the one home of the values and
-    their validation; this module imports no library code)."""
+def choice_option(name: str, choices, help_text: str, help_prefix: str = ""):
+    """--<name> over `choices` from the caller (the library's one home of the values and their
+    validation; this module imports no library code), the first value the default."""
     return click.option(
-        flag,
-        "proposer",
+        "--" + name.replace("_", "-"),
+        name,
         type=click.Choice(list(choices)),
         default=choices[0],
         show_default=True,
-        help=help_prefix + PROPOSER_HELP,
+        help=help_prefix + help_text,
     )
 
 
-def draft_length_option(choices, flag: str = "--draft-length", help_prefix: str = ""):
-    """--draft-length: `choices` from the caller (decoding/draft_length.py DRAFT_LENGTHS, the one home of
-    the values and their validation; this module imports no library code)."""
-    return click.option(
-        flag,
-        "draft_length",
-        type=click.Choice(list(choices)),
-        default=choices[0],
-        show_default=True,
-        help=help_prefix + DRAFT_LENGTH_HELP,
-    )
+def proposer_option(choices, help_prefix: str = ""):
+    """--proposer over decoding/proposal.py PROPOSERS."""
+    return choice_option("proposer", choices, PROPOSER_HELP, help_prefix)
+
+
+def draft_length_option(choices, help_prefix: str = ""):
+    """--draft-length over decoding/draft_length.py DRAFT_LENGTHS."""
+    return choice_option("draft_length", choices, DRAFT_LENGTH_HELP, help_prefix)
 
 
 def stack(*decorators):

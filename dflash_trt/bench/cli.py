@@ -65,7 +65,7 @@ def _names(value: str) -> list[str]:
 )
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
 @click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
-@draft_length_option(DRAFT_LENGTHS, help_prefix="dflash, dflash-triton: ")
+@draft_length_option(DRAFT_LENGTHS, help_prefix="dflash, hybrid, dflash-triton: ")
 @proposer_option(
     PROPOSERS, help_prefix="dflash-triton (the served engine's; in-process, the methods dflash, ngram, hybrid): "
 )
