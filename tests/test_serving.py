@@ -356,3 +356,33 @@ def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path):
             proc.kill()
             proc.wait()
     assert not _processes_mentioning(str(tmp_path / "repo"))
+
+
+def test_hybrid_proposer_with_cost_length_serves_exact_text(models):
+    """A server whose engine copies drafts from each request's own text when that beats the drafter
+    (proposer=hybrid) and picks its verify width from the measured cost (draft_length=cost): unary and
+    streamed text equal plain greedy decoding, and the response says where the accepted drafts came from."""
+    root, _, _ = models
+    repo = fill_model_repo(
+        default_template_dir(),
+        root / "repo_hybrid",
+        default_values(
+            root / "target",
+            root / "drafter",
+            dtype="float32",
+            max_batch=4,
+            max_seq_len=MAX_SEQ,
+            unary_instance_count=1,
+            cpu_threads=1,
+            proposer="hybrid",
+            draft_length="cost",
+        ),
+    )
+    with TritonServer(repo, startup_timeout=300) as srv, DFlashClient(srv.grpc_url) as c:
+        for prompt, n in [("quick quick quick", 40), ("over the lazy dog and the quick brown fox", 32)]:
+            r = c.generate(prompt, max_tokens=n, return_perf_metrics=True)
+            assert r["text"] == expected(models, prompt, n)[0]
+            src = r["perf_metrics"]["sources"]
+            assert src["drafter"]["accepted"] + src["copied"]["accepted"] == r["total_accepted_draft_tokens"]
+            streamed = "".join(ch["text"] for ch in c.stream(prompt, max_tokens=n))
+            assert streamed == r["text"]

@@ -53,7 +53,7 @@ def default_values(
         "unary_instance_count": 2,
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
         "draft_cutoff": 0.0,  # decoding/draft_length.py; 0 = verify every draft
-        "draft_length": "block",  # block | confidence (a DSpark drafter's confidence head): decoding/draft_length.py
+        "draft_length": "block",  # block | confidence | cost: decoding/draft_length.py
         "proposer": "dflash",  # dflash | ngram | hybrid: where the drafts come from (decoding/engine.py PROPOSERS)
     }
     unknown = set(overrides) - set(values)
