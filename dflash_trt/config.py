@@ -29,9 +29,13 @@ from dflash_trt.errors import CheckpointError, ConfigError
 
 @dataclass
 class SamplingParams:
-    """How tokens are chosen. temperature 0 means greedy (and exact output equality)."""
+    """How tokens are chosen. temperature below GREEDY_TEMPERATURE (0 included) means greedy (and
+    exact output equality): dividing logits by a tinier temperature overflows to inf/NaN, and
+    sampling at such a temperature is numerically the argmax anyway (vLLM's _SAMPLING_EPS)."""
 
-    temperature: float = 0.0  # 0 = greedy; > 0 = sampling with lossless rejection sampling
+    GREEDY_TEMPERATURE = 1e-5  # class constant, not a field: temperature < this decodes greedily
+
+    temperature: float = 0.0  # < GREEDY_TEMPERATURE = greedy; above = lossless rejection sampling
     top_k: int = 0  # keep the k most likely tokens (0 = off)
     top_p: float = 1.0  # nucleus mass in (0, 1] (1 = off)
     max_new_tokens: int = 128  # generated tokens per prompt, stop tokens included
@@ -40,8 +44,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(
+                f"temperature={self.temperature}: must be a finite number >= 0 "
+                f"(below {self.GREEDY_TEMPERATURE:g} is greedy)"
+            )
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0 disables top-k)")
         if not (0.0 < self.top_p <= 1.0):
@@ -52,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.GREEDY_TEMPERATURE
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:

@@ -114,6 +114,35 @@ def test_engine_and_baseline_stop_at_the_same_token(max_new):
     assert a.tokens == b.tokens == [base.tokens[0][:cut]] and a.finish_reasons == b.finish_reasons == ["stop"]
 
 
+# ---- greedy threshold (SamplingParams.greedy) ---------------------------------------------------
+@pytest.mark.parametrize("temp", [1e-38, 1e-7, 0.999e-5])
+def test_tiny_temperature_decodes_greedily_everywhere(temp):
+    """A temperature below SamplingParams.GREEDY_TEMPERATURE is greedy: dividing logits by 1e-38
+    overflowed to NaN and the output was garbage (issue #30 item 4)."""
+    t = tiny_target("qwen3")
+    d = tiny_drafter(t, block_size=4)
+    prompt = [[5, 17, 42], [3, 8]]
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    tiny = SamplingParams(temperature=temp, max_new_tokens=16, ignore_eos=True, seed=3)
+    assert tiny.greedy and not SamplingParams(temperature=SamplingParams.GREEDY_TEMPERATURE).greedy
+    ref = generate_baseline(t, prompt, greedy).tokens
+    assert generate(t, d, prompt, tiny).tokens == ref
+    assert generate_baseline(t, prompt, tiny).tokens == ref
+    eng = SpecEngine(t, d, max_batch=2, max_seq_len=64)
+    eng.add_request("a", prompt[0], tiny)
+    got = []
+    while eng.has_work():
+        for o in eng.step():
+            got += o.new_tokens
+    assert got == ref[0]
+
+
+@pytest.mark.parametrize("temp", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_temperature_is_refused_in_one_line(temp):
+    with pytest.raises(DFlashError, match=r"^temperature=.*: must be a finite number >= 0 \(below 1e-05 is greedy\)$"):
+        SamplingParams(temperature=temp)
+
+
 # ---- prompt validation -------------------------------------------------------------------------
 BAD = [
     ([], "empty"),
