@@ -273,6 +273,30 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
     assert {statuses(forced)[s] for s in ("check", "engine", "repo")} == {"ran"}
 
 
+def test_build_and_serve_write_the_same_chat_template_default(pair, tmp_path, monkeypatch):
+    """`build` and `serve --target/--drafter` serve the same apply_chat_template default: the tokenizer's chat
+    template when it has one (serving/repo.py default_values), not true in one and false in the other (issue #30
+    item 8); --no-chat / chat: false turns it off in both."""
+    import dflash_trt.serving.cli as serving_cli
+
+    root, _ = pair
+    monkeypatch.setattr(serving_cli, "run", lambda *a, **k: 0)  # fill the repository, start no server
+
+    def chat_default(repo: Path) -> str:
+        text = (repo / "preprocessing" / "config.pbtxt").read_text()
+        return text.split('key: "apply_chat_template" value: { string_value: "', 1)[1].split('"', 1)[0]
+
+    out, _ = build(tmp_path, root)
+    r = CliRunner().invoke(
+        main,
+        ["serve", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--out", str(tmp_path / "s")],
+    )
+    assert r.exit_code == 0, r.output
+    assert chat_default(out / "model_repo") == chat_default(tmp_path / "s") == "true"  # the tiny tokenizer has one
+    off, _ = build(tmp_path, root, "off", chat=False)
+    assert chat_default(off / "model_repo") == "false"
+
+
 def test_failed_or_interrupted_stage_leaves_no_or_the_old_out_dir(pair, tmp_path, monkeypatch):
     root, _ = pair
     import dflash_trt.deploy.stages as stages_mod  # the repo stage's fill_model_repo

@@ -131,9 +131,9 @@ def test_tiny_temperature_decodes_greedily_everywhere(temp):
     eng = SpecEngine(t, d, max_batch=2, max_seq_len=64)
     eng.add_request("a", prompt[0], tiny)
     got = []
-    while eng.has_work():
+    while eng.has_unfinished():
         for o in eng.step():
-            got += o.new_tokens
+            got += o.new_token_ids
     assert got == ref[0]
 
 

@@ -71,6 +71,7 @@ def server(models):
             max_seq_len=MAX_SEQ,
             unary_instance_count=1,
             cpu_threads=1,
+            apply_chat_template=False,  # plain prompts unless a request asks
         ),
     )
     with TritonServer(repo, startup_timeout=300) as srv:
@@ -376,6 +377,7 @@ def test_hybrid_proposer_with_cost_length_serves_exact_text(models):
             cpu_threads=1,
             proposer="hybrid",
             draft_length="cost",
+            apply_chat_template=False,  # plain prompts unless a request asks
         ),
     )
     with TritonServer(repo, startup_timeout=300) as srv, DFlashClient(srv.grpc_url) as c:

@@ -230,6 +230,64 @@ def test_orchestrator_cancel_stop_sequence_and_engine_failure(pair):
         orch.stop()
 
 
+class _DeliveredMetrics:
+    def __init__(self):
+        self.delivered_tokens = 0
+
+    def __getattr__(self, name):  # every other NullMetrics hook: ignored
+        return lambda *a, **k: None
+
+    def delivered(self, tokens):
+        self.delivered_tokens += tokens
+
+
+def test_output_token_metric_counts_only_delivered_tokens(pair):
+    """The output-token counter counts what clients received: not the tokens cut after a stop sequence, nor
+    those of a cancelled request after its cancel, nor those of a client that is gone (issue #30 item 5)."""
+    t, d = pair
+    metrics = _DeliveredMetrics()
+    orch = Orchestrator(lambda: SpecEngine(t, d, max_batch=5, max_seq_len=128), metrics=metrics).start()
+    try:
+        prompt = [5, 17, 42]
+        ref = generate_baseline(t, [prompt], SamplingParams(max_new_tokens=40)).tokens[0]
+        stop = ref[6:8]
+        gone, keyed, ok = ListSink(cancel_after=2), ListSink(), ListSink()
+        stopped, streamed_stop = ListSink(), ListSink()
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=100, stream=True)), gone)
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=100, stream=True), request_key="k1"), keyed)
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=40), stop_sequences=[stop]), stopped)
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=40, stream=True), stop_sequences=[stop]), streamed_stop)
+        orch.submit(TokenRequest(prompt, Sampling(max_tokens=40)), ok)
+        while not keyed.msgs:
+            time.sleep(0.01)
+        orch.cancel("k1")
+        sinks = (gone, keyed, stopped, streamed_stop, ok)
+        for s in sinks:
+            assert s.done.wait(60)
+    finally:
+        orch.stop()
+    received = sum(len(p.output_ids) - p.num_prev for s in sinks for p, _ in s.msgs if p.finish_reason != "cancelled")
+    assert stopped.msgs[-1][0].finish_reason == streamed_stop.msgs[-1][0].finish_reason == "stop"
+    assert streamed_stop.ids() == stopped.msgs[-1][0].output_ids
+    assert gone.closed and metrics.delivered_tokens == received
+
+
+def test_end_id_outside_the_vocabulary_is_refused_in_one_line(pair):
+    """end_id is checked against the target's vocabulary at submit (issue #30 item 9)."""
+    t, d = pair
+    orch = Orchestrator(lambda: SpecEngine(t, d, max_batch=2, max_seq_len=64)).start()
+    try:
+        bad, ok = ListSink(), ListSink()
+        V = t.vocab_size
+        orch.submit(TokenRequest([5, 17, 42], Sampling(max_tokens=4, end_id=V)), bad)
+        orch.submit(TokenRequest([5, 17, 42], Sampling(max_tokens=4, end_id=V - 1)), ok)
+        assert bad.done.wait(60) and ok.done.wait(60)
+    finally:
+        orch.stop()
+    assert bad.errors == [f"end_id={V}: outside the vocabulary 0..{V - 1} (give a token id, or -1 to ignore EOS)"]
+    assert not bad.msgs and not ok.errors and ok.msgs[-1][1]
+
+
 def test_progress_tensors_roundtrip():
     from dflash_trt.serving.protocol import Progress
 

@@ -40,7 +40,6 @@ from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
 from dflash_trt.deploy.quant_eval import evaluate_quantized
 from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
-from dflash_trt.serving.text import read_chat_template
 from dflash_trt.train.prompts import load_prompts
 
 # files of a model folder that are not weights: copied next to quantised weights so the folder
@@ -229,7 +228,8 @@ def stage_repo(ctx: Context) -> dict:
         draft_cutoff=cfg.draft_cutoff,
         draft_length=cfg.draft_length,
         proposer=cfg.proposer,
-        apply_chat_template=cfg.chat and bool(read_chat_template(Path(ctx.dirs["tokenizer"]))),
+        apply_chat_template=cfg.chat,
+        chat_template_from=ctx.dirs["tokenizer"],
     )
     repo = fill_model_repo(default_template_dir(), ctx.work / "model_repo", values)
     if not cfg.decoupled:

@@ -41,7 +41,11 @@ class Sink(Protocol):
 
 class NullMetrics:
     def request(self) -> None: ...
-    def step(self, verify_steps: int, draft_tokens: int, accepted_tokens: int, output_tokens: int) -> None: ...
+    def step(self, verify_steps: int, draft_tokens: int, accepted_tokens: int) -> None: ...
+
+    # tokens that reached the client (a stream chunk or a final response sent): not those cut after a stop
+    # sequence, nor those of a request cancelled or whose client is gone
+    def delivered(self, tokens: int) -> None: ...
     def finished(self, progress: Progress) -> None: ...
 
     # drafts copied from a row's own text (proposer ngram / hybrid) judged and accepted since the last call
@@ -112,6 +116,11 @@ class Orchestrator:
                 "input_ids",
                 length_field="text_input",
             )
+            vocab, end_id = self.engine.target.vocab_size, req.sampling.end_id
+            if end_id is not None and end_id >= vocab:  # protocol.py refuses < -1
+                raise DFlashError(
+                    f"end_id={end_id}: outside the vocabulary 0..{vocab - 1} (give a token id, or -1 to ignore EOS)"
+                )
         except DFlashError as e:
             sink.error(str(e))
             return
@@ -237,13 +246,13 @@ class Orchestrator:
             elif self._hit_stop_sequence(job, len(job.output) - len(out.new_token_ids)):
                 job.finish_reason = "stop"
                 self.engine.cancel(job.key)
-            self._count(job, len(out.new_token_ids))
+            self._count(job)
             if job.finish_reason:
                 del self._running[job.key]
                 self._finish(job)
             elif job.req.sampling.stream and len(job.output) > job.sent:
                 if self._safe(job, lambda j: j.sink.send(j.progress(j.sent), False)):
-                    job.sent = len(job.output)
+                    self._delivered(job)
                 else:
                     self.engine.cancel(job.key)
                     del self._running[job.key]
@@ -262,7 +271,12 @@ class Orchestrator:
         del job.output[best + 1 :]
         return True
 
-    def _count(self, job: _Job, new_tokens: int) -> None:
+    def _delivered(self, job: _Job) -> None:
+        """The output up to its end has reached the client: count the part not counted yet."""
+        self.metrics.delivered(len(job.output) - job.sent)
+        job.sent = len(job.output)
+
+    def _count(self, job: _Job) -> None:
         s = job.stats
         now = (
             s.num_verify_steps,
@@ -273,7 +287,7 @@ class Orchestrator:
         )
         d = [a - b for a, b in zip(now, job.seen)]
         job.seen = now
-        self.metrics.step(d[0], d[1], d[2], new_tokens)
+        self.metrics.step(d[0], d[1], d[2])
         if d[3] or d[4]:
             self.metrics.copied(d[3], d[4])
 
@@ -301,7 +315,8 @@ class Orchestrator:
         self.metrics.positions(
             list(getattr(s, "accepted_at", None) or []), list(getattr(s, "predicted_at", None) or [])
         )
-        self._safe(job, lambda j: j.sink.send(p, True))
+        if self._safe(job, lambda j: j.sink.send(p, True)):
+            self._delivered(job)
 
     def _fail_running(self, message: str) -> None:
         for job in list(self._running.values()):

@@ -145,7 +145,10 @@ def parse_sampling(get: Getter) -> Sampling:
         return_perf_metrics=_bool(get, "return_perf_metrics", False),
     )
     if not np.isfinite(s.temperature) or s.temperature < 0:
-        raise RequestError(f"temperature={s.temperature}: must be >= 0 (0 is greedy)")
+        raise RequestError(  # SamplingParams' rule, said before the request reaches the engine
+            f"temperature={s.temperature}: must be a finite number >= 0 "
+            f"(below {SamplingParams.GREEDY_TEMPERATURE:g} is greedy)"
+        )
     if s.top_k < 0:
         raise RequestError(f"top_k={s.top_k}: must be >= 0 (0 disables top-k)")
     if not (0.0 < s.top_p <= 1.0):

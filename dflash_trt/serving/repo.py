@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dflash_trt.atomic import atomic_dir
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.text import read_chat_template
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATE_SUFFIXES = (".pbtxt",)
@@ -37,9 +38,19 @@ def default_template_dir() -> Path:
 
 
 def default_values(
-    target_dir: str | Path, drafter_dir: str | Path, tokenizer_dir: str | Path | None = None, **overrides
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    chat_template_from: str | Path | None = None,
+    **overrides,
 ) -> dict[str, str]:
-    """Template values for a torch-engine repository; paths are made absolute."""
+    """Template values for a torch-engine repository; paths are made absolute.
+
+    apply_chat_template (the served default when a request does not say) is the one home of that rule, for
+    `build` and `serve` alike: True (the default) means "when the tokenizer has a chat template", read from
+    chat_template_from (default: the tokenizer folder; `build` names the tokenizer it has not moved into
+    place yet); False never applies it.
+    """
     values = {
         "target_dir": Path(target_dir).resolve(),
         "drafter_dir": Path(drafter_dir).resolve(),
@@ -48,7 +59,7 @@ def default_values(
         "max_batch": 16,
         "max_seq_len": 2048,
         "dtype": "auto",
-        "apply_chat_template": False,
+        "apply_chat_template": True,  # when the tokenizer has a chat template (below)
         "triton_max_batch_size": 64,
         "unary_instance_count": 2,
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
@@ -62,6 +73,8 @@ def default_values(
             f"unknown model repository value(s): {', '.join(sorted(unknown))}; " f"known: {', '.join(values)}"
         )
     values.update(overrides)
+    if values["apply_chat_template"]:
+        values["apply_chat_template"] = bool(read_chat_template(Path(chat_template_from or values["tokenizer_dir"])))
     return {k: _text(k, v) for k, v in values.items()}
 
 

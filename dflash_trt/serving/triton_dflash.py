@@ -7,7 +7,7 @@ Every request gets its own response sender; `execute` only parses and queues, th
 request holding only `cancel_key` cancels the running request whose `request_key` matches (how the text front doors
 propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
 Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_tokens_total,
-dflash_accepted_tokens_total, dflash_output_tokens_total, dflash_cancelled_requests_total,
+dflash_accepted_tokens_total, dflash_output_tokens_total (tokens delivered to clients), dflash_cancelled_requests_total,
 dflash_copied_draft_tokens_total, dflash_accepted_copied_tokens_total (the drafts copied from the
 request's own text, proposer ngram / hybrid, and those accepted; counters), dflash_running_requests
 (gauge), dflash_acceptance_length (histogram of tokens per verify step, per finished request),
@@ -87,7 +87,7 @@ class _Metrics:
             "dflash_draft_tokens_total", "Draft tokens verified (B-1 a step unless draft_cutoff > 0)", C
         ).Metric(labels=labels)
         self.accepted = fam("dflash_accepted_tokens_total", "Draft tokens accepted", C).Metric(labels=labels)
-        self.output = fam("dflash_output_tokens_total", "Tokens generated", C).Metric(labels=labels)
+        self.output = fam("dflash_output_tokens_total", "Tokens delivered to clients", C).Metric(labels=labels)
         self.copied_drafted = fam(
             "dflash_copied_draft_tokens_total", "Draft tokens copied from the request's own text, verified", C
         ).Metric(labels=labels)
@@ -147,15 +147,14 @@ class _Metrics:
     def request(self):
         self.requests.increment(1)
 
-    def step(self, verify_steps, draft_tokens, accepted_tokens, output_tokens):
-        for m, v in (
-            (self.steps, verify_steps),
-            (self.drafted, draft_tokens),
-            (self.accepted, accepted_tokens),
-            (self.output, output_tokens),
-        ):
+    def step(self, verify_steps, draft_tokens, accepted_tokens):
+        for m, v in ((self.steps, verify_steps), (self.drafted, draft_tokens), (self.accepted, accepted_tokens)):
             if v:
                 m.increment(v)
+
+    def delivered(self, tokens):
+        if tokens > 0:
+            self.output.increment(tokens)
 
     def copied(self, draft_tokens, accepted_tokens):
         for m, v in ((self.copied_drafted, draft_tokens), (self.copied_accepted, accepted_tokens)):
