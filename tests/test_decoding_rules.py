@@ -204,4 +204,4 @@ def test_orchestrator_refuses_bad_prompts_at_submit(small_engine_pair, ids, msg)
     orch.submit(TokenRequest(ids, Sampling(max_tokens=3)), sink)
     field = "text_input" if "max_seq_len" in msg else "input_ids"  # text clients' prompts are too long as text
     assert len(sink.errors) == 1 and sink.errors[0].startswith(f"{field}: ")
-    assert re.search(msg, sink.errors[0]) and not orch._inbox  # nothing queued
+    assert re.search(msg, sink.errors[0]) and not orch._waiting  # nothing queued

@@ -56,6 +56,7 @@ class BuildConfig:
     )
     draft_length: str = "block"  # what draft_cutoff gates: block (drafter probabilities) | confidence (DSpark head)
     proposer: str = "dflash"  # where the served drafts come from: dflash (drafter) | ngram (copied text) | hybrid
+    max_queue: int = 256  # served requests waiting for a free batch row; the next ones get "overloaded, retry later"
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
     eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
@@ -72,7 +73,14 @@ class BuildConfig:
         self._one_of("kv_cache", KV_CACHES)
         self._one_of("sm", SMS)
         self._one_of("dtype", DTYPES)
-        for name in ("tp_size", "max_batch", "triton_max_batch_size", "instance_count", "eval_max_new_tokens"):
+        for name in (
+            "tp_size",
+            "max_batch",
+            "triton_max_batch_size",
+            "instance_count",
+            "eval_max_new_tokens",
+            "max_queue",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("cpu_threads", "eval_prompts", "calib_prompts"):

@@ -119,6 +119,7 @@ STAGES = (
             "draft_cutoff",
             "draft_length",
             "proposer",
+            "max_queue",
         ),
         ("engine",),
     ),

@@ -228,6 +228,7 @@ def stage_repo(ctx: Context) -> dict:
         draft_cutoff=cfg.draft_cutoff,
         draft_length=cfg.draft_length,
         proposer=cfg.proposer,
+        max_queue=cfg.max_queue,
         apply_chat_template=cfg.chat,
         chat_template_from=ctx.dirs["tokenizer"],
     )

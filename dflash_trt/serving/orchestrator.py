@@ -4,7 +4,11 @@ Boundary: continuous batching and request lifecycle, independent of Triton. Requ
 from any thread through `submit()` with a Sink (Triton's response sender in production, a list in
 tests); between two engine steps the loop admits waiting requests (one batched prefill, up to
 `max_batch` running), drops cancelled ones, and sends each request what its last step accepted
-(streaming) or everything at the end. Only the loop thread touches the engine. A request that
+(streaming) or everything at the end. The queue is bounded: with `max_queue` requests waiting, the
+next one gets an "overloaded, retry" error at once. A waiting request that is cancelled (cancel key,
+or its client gone) leaves the queue at once, answered as cancelled, without waiting for the
+engine: `cancel()` ends it in the caller's thread, a watcher thread polls the waiting sinks.
+Only the loop thread touches the engine. A request that
 the engine rejects gets an error on its own sink and never affects the others; an unexpected
 engine failure fails the running requests and starts a fresh engine.
 
@@ -31,6 +35,8 @@ from dflash_trt.serving.protocol import Progress, TokenRequest
 
 log = logging.getLogger("dflash_trt.serving")
 
+DEFAULT_MAX_QUEUE = 256  # requests waiting for admission before new ones are refused as overloaded
+
 
 class Sink(Protocol):
     def is_cancelled(self) -> bool: ...
@@ -56,6 +62,12 @@ class NullMetrics:
     def positions(self, accepted_at: list[int], predicted_at: list[float]) -> None: ...
     def cancelled(self) -> None: ...
     def running(self, n: int) -> None: ...
+
+    # the queue: requests waiting for admission (a gauge, set at each change); the seconds one request
+    # waited, when it leaves the queue (admitted or cancelled); a request refused because the queue was full
+    def queued(self, n: int) -> None: ...
+    def waited(self, seconds: float) -> None: ...
+    def overloaded(self) -> None: ...
 
 
 @dataclass
@@ -87,23 +99,36 @@ class _Job:
 
 
 class Orchestrator:
-    def __init__(self, engine_factory: Callable[[], object], metrics=None, idle_wait: float = 0.05):
+    def __init__(
+        self,
+        engine_factory: Callable[[], object],
+        metrics=None,
+        idle_wait: float = 0.05,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        cancel_poll: float = 0.1,
+    ):
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise DFlashError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests waiting for admission)")
+        self.max_queue = max_queue
+        self.cancel_poll = cancel_poll
         self._factory = engine_factory
         self.engine = engine_factory()
         self.metrics = metrics or NullMetrics()
         self.idle_wait = idle_wait
         self._cv = threading.Condition()
-        self._inbox: deque[_Job] = deque()
         self._cancel_keys: set[str] = set()
-        self._waiting: deque[_Job] = deque()
+        self._waiting: deque[_Job] = deque()  # the queue, guarded by self._cv
         self._running: dict[str, _Job] = {}
         self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="dflash-step-loop", daemon=True)
+        self._stopped = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_waiting, name="dflash-queue-watch", daemon=True)
 
     # ---- any thread ---------------------------------------------------------------------
     def start(self) -> Orchestrator:
         self._thread.start()
+        self._watcher.start()
         return self
 
     def submit(self, req: TokenRequest, sink: Sink) -> None:
@@ -127,42 +152,93 @@ class Orchestrator:
         key = req.request_key or f"req-{next(self._ids)}"
         self.metrics.request()
         with self._cv:
+            refusal = None
             if self._stop:
-                sink.error("server is shutting down")
-                return
-            self._inbox.append(_Job(key, req, sink))
-            self._cv.notify()
+                refusal = "server is shutting down"
+            elif len(self._waiting) >= self.max_queue:
+                refusal = f"server overloaded: max_queue={self.max_queue} requests already waiting; retry later"
+                self.metrics.overloaded()
+            else:
+                self._waiting.append(_Job(key, req, sink))
+                self.metrics.queued(len(self._waiting))
+                self._cv.notify()
+        if refusal:
+            sink.error(refusal)
 
     def cancel(self, key: str) -> None:
+        """Cancel the request with this key: a waiting one is ended here at once, a running one by the loop."""
         with self._cv:
-            self._cancel_keys.add(key)
-            self._cv.notify()
+            gone = self._take_waiting(lambda j: j.key == key)
+            if not gone:
+                self._cancel_keys.add(key)
+                self._cv.notify()
+        for job in gone:
+            self._end_cancelled(job, explicit=True)
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify()
+        self._stopped.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._watcher.is_alive():
+            self._watcher.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
+    def _take_waiting(self, pred) -> list[_Job]:
+        """Under self._cv: remove the waiting jobs pred selects; they have left the queue."""
+        gone = [j for j in self._waiting if pred(j)]
+        if gone:
+            for j in gone:
+                self._waiting.remove(j)
+            self._left_queue(gone)
+        return gone
+
+    def _left_queue(self, jobs: list[_Job]) -> None:
+        """Under self._cv: count the time these jobs waited and the queue depth now."""
+        now = time.perf_counter()
+        for j in jobs:
+            self.metrics.waited(now - j.arrived)
+        self.metrics.queued(len(self._waiting))
+
+    # ---- watcher thread -----------------------------------------------------------------
+    def _watch_waiting(self) -> None:
+        """End waiting requests whose client is gone while the loop is busy stepping."""
+        while not self._stopped.wait(self.cancel_poll):
+            with self._cv:
+                if self._stop:
+                    break
+                gone = self._take_waiting(lambda j: self._cancelled(j, set()))
+            for job in gone:
+                self._end_cancelled(job, explicit=False)
+
     # ---- loop thread --------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                if not (self._stop or self._inbox or self._cancel_keys or self._waiting or self._running):
+                if not (self._stop or self._cancel_keys or self._waiting or self._running):
                     self._cv.wait(self.idle_wait)
                 if self._stop:
                     break
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
                 cancel, self._cancel_keys = self._cancel_keys, set()
+                gone = self._take_waiting(lambda j, keys=cancel: self._cancelled(j, keys))
+                free = self.engine.max_batch - len(self._running)
+                jobs = [self._waiting.popleft() for _ in range(min(max(free, 0), len(self._waiting)))]
+                if jobs:
+                    self._left_queue(jobs)
             try:
+                for job in gone:
+                    self._end_cancelled(job, explicit=job.key in cancel)
                 self._drop_cancelled(cancel)
-                self._admit()
+                self._admit(jobs)
                 if self.engine.has_unfinished():
                     self._step()
             except Exception as e:  # an engine bug must not kill the loop: fail the batch, start over
@@ -170,9 +246,13 @@ class Orchestrator:
                 self._fail_running(f"engine step failed: {type(e).__name__}: {e}")
                 self.engine = self._factory()
             self.metrics.running(len(self._running))
-        for job in list(self._waiting) + list(self._running.values()) + list(self._inbox):
+        with self._cv:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            if waiting:
+                self.metrics.queued(0)
+        for job in waiting + list(self._running.values()):
             self._safe(job, lambda j: j.sink.error("server is shutting down"))
-        self._waiting.clear()
         self._running.clear()
 
     def _safe(self, job: _Job, fn) -> bool:
@@ -192,9 +272,6 @@ class Orchestrator:
             return True
 
     def _drop_cancelled(self, keys: set[str]) -> None:
-        for job in [j for j in self._waiting if self._cancelled(j, keys)]:
-            self._waiting.remove(job)
-            self._end_cancelled(job, explicit=job.key in keys)
         for job in [j for j in self._running.values() if self._cancelled(j, keys)]:
             self.engine.cancel(job.key)
             del self._running[job.key]
@@ -208,11 +285,10 @@ class Orchestrator:
         else:
             self._safe(job, lambda j: j.sink.close())
 
-    def _admit(self) -> None:
-        free = self.engine.max_batch - len(self._running)
-        if free <= 0 or not self._waiting:
+    def _admit(self, jobs: list[_Job]) -> None:
+        """Add the jobs just taken from the queue (no more than the free rows) to the engine."""
+        if not jobs:
             return
-        jobs = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         try:  # one batched prefill; the engine validates every item before touching its state
             self.engine.add_requests([(j.key, j.req.prompt_ids, j.req.sampling.to_params()) for j in jobs])
             self._running.update((j.key, j) for j in jobs)

@@ -8,7 +8,7 @@ into place, so a failed fill never leaves a half-written repository.
 
 Placeholders: target_dir, drafter_dir, tokenizer_dir, engine_backend, max_batch, max_seq_len,
 dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads,
-draft_cutoff, draft_length, proposer (`default_values()`).
+draft_cutoff, draft_length, proposer, max_queue (`default_values()`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dflash_trt.atomic import atomic_dir
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.orchestrator import DEFAULT_MAX_QUEUE
 from dflash_trt.serving.text import read_chat_template
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -66,6 +67,7 @@ def default_values(
         "draft_cutoff": 0.0,  # decoding/draft_length.py; 0 = verify every draft
         "draft_length": "block",  # block | confidence | cost: decoding/draft_length.py
         "proposer": "dflash",  # dflash | ngram | hybrid: where the drafts come from (decoding/engine.py PROPOSERS)
+        "max_queue": DEFAULT_MAX_QUEUE,  # requests waiting for admission before new ones are refused (overloaded)
     }
     unknown = set(overrides) - set(values)
     if unknown:
@@ -73,6 +75,9 @@ def default_values(
             f"unknown model repository value(s): {', '.join(sorted(unknown))}; " f"known: {', '.join(values)}"
         )
     values.update(overrides)
+    mq = values["max_queue"]
+    if isinstance(mq, bool) or not str(mq).strip().isdigit() or int(mq) < 1:
+        raise DFlashError(f"max_queue={mq!r}: must be an integer >= 1 (requests waiting for admission)")
     if values["apply_chat_template"]:
         values["apply_chat_template"] = bool(read_chat_template(Path(chat_template_from or values["tokenizer_dir"])))
     return {k: _text(k, v) for k, v in values.items()}

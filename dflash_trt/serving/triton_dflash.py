@@ -2,7 +2,8 @@
 
 Boundary: glue between pb_utils and the Orchestrator; imported only inside the backend stub
 (model_repo/dflash/1/model.py re-exports TritonPythonModel). Model parameters: target_dir,
-drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff, draft_length, proposer.
+drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff, draft_length, proposer,
+max_queue (requests waiting for a free batch row before new ones get an "overloaded, retry later" error).
 Every request gets its own response sender; `execute` only parses and queues, the orchestrator's thread sends. A
 request holding only `cancel_key` cancels the running request whose `request_key` matches (how the text front doors
 propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
@@ -10,7 +11,10 @@ Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_to
 dflash_accepted_tokens_total, dflash_output_tokens_total (tokens delivered to clients), dflash_cancelled_requests_total,
 dflash_copied_draft_tokens_total, dflash_accepted_copied_tokens_total (the drafts copied from the
 request's own text, proposer ngram / hybrid, and those accepted; counters), dflash_running_requests
-(gauge), dflash_acceptance_length (histogram of tokens per verify step, per finished request),
+(gauge), dflash_queued_requests (gauge: waiting for admission), dflash_queue_time_seconds_total and
+dflash_dequeued_requests_total (seconds waited in the queue, summed, and the requests that left it: their
+ratio is the mean time in queue), dflash_overloaded_requests_total (refused: queue full),
+dflash_acceptance_length (histogram of tokens per verify step, per finished request),
 dflash_accepted_at_position_total{position="i"} (verify steps whose draft i was accepted: over
 dflash_draft_steps_total, the per-position acceptance) and, for drafters with a confidence head,
 dflash_predicted_at_position_total{position="i"} (the head's summed predictions of the same).
@@ -23,7 +27,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
+from dflash_trt.serving.orchestrator import DEFAULT_MAX_QUEUE, Orchestrator, load_engine_factory
 from dflash_trt.serving.protocol import CancelRequest, RequestError, TokenRequest, parse_token_request, token_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -100,6 +104,18 @@ class _Metrics:
         self.gauge = fam(
             "dflash_running_requests", "Requests in the running batch", pb_utils.MetricFamily.GAUGE
         ).Metric(labels=labels)
+        self.queue_gauge = fam(
+            "dflash_queued_requests", "Requests waiting for admission", pb_utils.MetricFamily.GAUGE
+        ).Metric(labels=labels)
+        self.queue_seconds = fam(
+            "dflash_queue_time_seconds_total", "Seconds requests waited for admission, summed", C
+        ).Metric(labels=labels)
+        self.dequeued = fam(
+            "dflash_dequeued_requests_total", "Requests that left the queue (admitted or cancelled)", C
+        ).Metric(labels=labels)
+        self.overloads = fam(
+            "dflash_overloaded_requests_total", "Requests refused because max_queue requests were waiting", C
+        ).Metric(labels=labels)
         self.tau = None
         try:  # histograms need Triton >= 24.08's Python backend
             self.tau = fam(
@@ -173,6 +189,17 @@ class _Metrics:
             self.gauge.set(n)
             self._running = n
 
+    def queued(self, n):
+        self.queue_gauge.set(n)
+
+    def waited(self, seconds):
+        self.dequeued.increment(1)
+        if seconds > 0:
+            self.queue_seconds.increment(seconds)
+
+    def overloaded(self):
+        self.overloads.increment(1)
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -203,7 +230,7 @@ class TritonPythonModel:
             # the first engine: a drafter the options do not fit (draft_length=confidence without a
             # confidence head, proposer=hybrid with a DFlash 2 drafter) fails here, at load, with the
             # engine's one-line message
-            self.orch = Orchestrator(factory)
+            self.orch = Orchestrator(factory, max_queue=int(params.get("max_queue", "") or DEFAULT_MAX_QUEUE))
         except (DFlashError, ValueError) as e:
             raise pb_utils.TritonModelException(f"dflash: cannot load the engine: {e}") from None
         labels = {"model": args["model_name"], "version": args["model_version"]}
