@@ -57,23 +57,19 @@ def models(tmp_path_factory):
     return root, target, TextCodec.from_dir(root / "target")
 
 
+def tiny_repo(models, name: str, **values):
+    """A model repository over the tiny pair (fp32, one unary instance, one thread, plain prompts
+    unless a request asks for the chat template)."""
+    root, _, _ = models
+    kw = dict(dtype="float32", max_seq_len=MAX_SEQ, unary_instance_count=1, cpu_threads=1, apply_chat_template=False)
+    return fill_model_repo(
+        default_template_dir(), root / name, default_values(root / "target", root / "drafter", **{**kw, **values})
+    )
+
+
 @pytest.fixture(scope="module")
 def server(models):
-    root, _, _ = models
-    repo = fill_model_repo(
-        default_template_dir(),
-        root / "repo",
-        default_values(
-            root / "target",
-            root / "drafter",
-            dtype="float32",
-            max_batch=8,
-            max_seq_len=MAX_SEQ,
-            unary_instance_count=1,
-            cpu_threads=1,
-            apply_chat_template=False,  # plain prompts unless a request asks
-        ),
-    )
+    repo = tiny_repo(models, "repo", max_batch=8)
     with TritonServer(repo, startup_timeout=300) as srv:
         pid = srv.proc.pid
         yield srv
@@ -363,23 +359,7 @@ def test_hybrid_proposer_with_cost_length_serves_exact_text(models):
     """A server whose engine copies drafts from each request's own text when that beats the drafter
     (proposer=hybrid) and picks its verify width from the measured cost (draft_length=cost): unary and
     streamed text equal plain greedy decoding, and the response says where the accepted drafts came from."""
-    root, _, _ = models
-    repo = fill_model_repo(
-        default_template_dir(),
-        root / "repo_hybrid",
-        default_values(
-            root / "target",
-            root / "drafter",
-            dtype="float32",
-            max_batch=4,
-            max_seq_len=MAX_SEQ,
-            unary_instance_count=1,
-            cpu_threads=1,
-            proposer="hybrid",
-            draft_length="cost",
-            apply_chat_template=False,  # plain prompts unless a request asks
-        ),
-    )
+    repo = tiny_repo(models, "repo_hybrid", max_batch=4, proposer="hybrid", draft_length="cost")
     with TritonServer(repo, startup_timeout=300) as srv, DFlashClient(srv.grpc_url) as c:
         for prompt, n in [("quick quick quick", 40), ("over the lazy dog and the quick brown fox", 32)]:
             r = c.generate(prompt, max_tokens=n, return_perf_metrics=True)
