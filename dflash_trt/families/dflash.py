@@ -80,6 +80,12 @@ def choose(block: torch.Tensor, logits: torch.Tensor, vocab, rows, gated: bool, 
     return block, q, conf
 
 
+def previous_tokens(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Teacher forcing (training): the token before each drafted one when every draft is right.
+    block_ids [N, J, B] (anchor first), labels [N, J, B-1] -> [N*J, B-1]: the anchor, then the labels."""
+    return torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).flatten(0, 1)
+
+
 def chosen_prob(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """softmax(logits)[..., ids] without materialising the softmax: logits [..., V], ids [...]."""
     logits = logits.float()

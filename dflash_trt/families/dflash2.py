@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import ConfigError
+from dflash_trt.families import dflash
 
 NAME, ARCHITECTURE, LABEL = "dflash2", "DFlash2DraftModel", "DFlash 2"
 CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -191,14 +192,20 @@ def selector_scores(drafter, hidden: torch.Tensor, logits: torch.Tensor, prev: t
     return cand, unary + torch.einsum("mnr,mnkr->mnk", ctx, sel.successor_codebook(cand))
 
 
+def _teacher_forced(drafter, hidden, block_ids, labels):
+    """-> (draft logits [NJ, B-1, V], candidates [NJ, B-1, k], their scores [NJ, B-1, k]) when the walk's
+    path is the labels: hidden [N, J, B, d], block_ids [N, J, B], labels [N, J, B-1]."""
+    h = hidden[:, :, 1:].flatten(0, 1)  # [NJ, B-1, d]
+    logits = drafter.finish_logits(drafter.head_logits(h))
+    cand, scores = selector_scores(drafter, h, logits, dflash.previous_tokens(block_ids, labels))
+    return logits, cand, scores
+
+
 def train_logits(drafter, hidden, block_ids, labels) -> torch.Tensor:
     """What the walk's q is the softmax of (temperature 1) when its path is the labels: the candidates'
     scores on the vocabulary, -inf elsewhere. hidden [N, J, B, d], block_ids [N, J, B], labels
     [N, J, B-1] -> [N, J, B-1, V] float32."""
-    h = hidden[:, :, 1:].flatten(0, 1)  # [NJ, B-1, d]
-    logits = drafter.finish_logits(drafter.head_logits(h))
-    prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).flatten(0, 1)
-    cand, scores = selector_scores(drafter, h, logits, prev)
+    logits, cand, scores = _teacher_forced(drafter, hidden, block_ids, labels)
     full = torch.full_like(logits, float("-inf")).scatter_(-1, cand, scores)
     return full.view(*labels.shape, -1)
 
@@ -210,10 +217,7 @@ def train_terms(drafter, hidden, block_ids, labels, teacher=None, selector_alpha
     candidates' scores with the label's candidate as target, when the label is among the top-k
     (otherwise that position has the first term only); the scores' previous token is the true one.
     teacher is unused."""
-    h = hidden[:, :, 1:].flatten(0, 1)  # [NJ, B-1, d]
-    logits = drafter.finish_logits(drafter.head_logits(h))  # [NJ, B-1, V]
-    prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).flatten(0, 1)  # [NJ, B-1]
-    cand, scores = selector_scores(drafter, h, logits, prev)
+    logits, cand, scores = _teacher_forced(drafter, hidden, block_ids, labels)
     shape, flat = labels.shape, labels.flatten(0, 1)
     base = F.cross_entropy(logits.flatten(0, 1), flat.flatten(), reduction="none").view(shape)
     hit = cand == flat[..., None]  # [NJ, B-1, k]

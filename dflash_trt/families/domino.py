@@ -80,18 +80,18 @@ def _first_corrected(fields: dict) -> int:
     return 1 + fields["pure_draft_prefix_len"]
 
 
-def _head_position(fields: dict, t: int) -> int:
-    """Block position whose logits draft token t."""
-    return t - 1 if fields["shift_label"] else t
+def proposal_hidden(drafter, hidden: torch.Tensor) -> torch.Tensor:
+    """A block's hidden states [N, B, d] -> those whose logits draft tokens 1..B-1 [N, B-1, d]: positions
+    0..B-2 with shift_label (the backbone predicts the next token), else 1..B-1."""
+    off = 0 if drafter.config.family_fields["shift_label"] else 1
+    return hidden[:, off : off + hidden.shape[1] - 1]
 
 
 def corrected_logits(drafter, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Teacher-forced draft logits: hidden [N, B, d] of the whole block, tokens [N, B] (anchor, then
     the tokens each position drafts) -> [N, B-1, V] float32, row t-1 drafting token t."""
     f = drafter.config.family_fields
-    B = tokens.shape[1]
-    pos = torch.tensor([_head_position(f, t) for t in range(1, B)], device=hidden.device)
-    h = hidden.index_select(1, pos)  # [N, B-1, d]
+    h = proposal_hidden(drafter, hidden)  # [N, B-1, d]
     logits = drafter.finish_logits(drafter.head_logits(h))
     g = drafter.prefix_gru(drafter.target.embed(tokens[:, :-1]).to(h.dtype))[0]  # [N, B-1, H], row t-1 read 0..t-1
     start = _first_corrected(f) - 1
@@ -102,10 +102,8 @@ def corrected_logits(drafter, hidden: torch.Tensor, tokens: torch.Tensor) -> tor
 def propose(drafter, block: torch.Tensor, cache, rows, needs: frozenset, warp, sample):
     """As families/dspark.propose (source "probability" only: Domino has no confidence head)."""
     f = drafter.config.family_fields
-    hidden = drafter.draft_block(block, cache)  # [R, B, d]
     B = block.shape[1]
-    pos = torch.tensor([_head_position(f, t) for t in range(1, B)], device=hidden.device)
-    h = hidden.index_select(1, pos)  # [R, B-1, d]
+    h = proposal_hidden(drafter, drafter.draft_block(block, cache))  # [R, B-1, d]
     base = drafter.finish_logits(drafter.head_logits(h))  # [R, B-1, V]
     q = None if all(p.greedy for p, _ in rows) else torch.zeros_like(base)
     conf: dict[str, list] = {k: [] for k in needs}
@@ -149,16 +147,12 @@ def train_terms(drafter, hidden, block_ids, labels, teacher=None, lambda_base: f
     -> ([(alpha, per-position loss [N, J, B-1])], greedy drafts [N, J, B-1]). Loss per position:
     (1 - lambda_base) * CE(corrected logits, label) + lambda_base * CE(backbone logits, label), the
     GRU reading the true tokens before each label. teacher is unused (Domino trains on labels only)."""
-    B = hidden.shape[2]
-    h = hidden.flatten(0, 1)  # [NJ, B, d]
     logits = train_logits(drafter, hidden, block_ids, labels).flatten(0, 1)  # [NJ, B-1, V]
     shape = labels.shape
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(shape)
     terms = [(1.0 - lambda_base, ce)]
     if lambda_base:
-        f = drafter.config.family_fields
-        pos = torch.tensor([_head_position(f, t) for t in range(1, B)], device=h.device)
-        base = drafter.finish_logits(drafter.head_logits(h.index_select(1, pos)))
+        base = drafter.finish_logits(drafter.head_logits(proposal_hidden(drafter, hidden.flatten(0, 1))))
         base_ce = torch.nn.functional.cross_entropy(base.flatten(0, 1), labels.flatten(), reduction="none")
         terms.append((lambda_base, base_ce.view(shape)))
     return terms, logits.argmax(-1).view(shape)

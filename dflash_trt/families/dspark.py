@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dflash_trt.errors import ConfigError
+from dflash_trt.families import dflash
 
 NAME, ARCHITECTURE, LABEL = "dspark", "DSparkDraftModel", "DSpark"
 PROJECTOR_TYPE = "dspark"
@@ -225,7 +226,7 @@ def draw(logits: torch.Tensor, q, j: int, rows, probability: list | None, warp, 
             q[r, j] = warp(logits[r], params)
             tok[r] = sample(q[r, j], gen)
     if probability is not None:
-        top = torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+        top = dflash.chosen_prob(logits, tok)
         if q is not None:
             top = torch.where(torch.tensor(sampled, device=tok.device), q[:, j].max(-1).values, top)
         probability.append(top)
@@ -256,7 +257,7 @@ def train_logits(drafter, hidden, block_ids, labels) -> torch.Tensor:
 
 def _teacher_forced(drafter, hidden, block_ids, labels):
     """-> (drafting hidden [NJ, B-1, d], true previous tokens [NJ, B-1], corrected logits [NJ, B-1, V])."""
-    prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).flatten(0, 1)  # anchor, then labels
+    prev = dflash.previous_tokens(block_ids, labels)
     h = proposal_hidden(drafter, hidden.flatten(0, 1))
     return h, prev, corrected_logits(drafter, h, prev)
 
