@@ -119,6 +119,7 @@ class SpecEngine:
             )
         self.draft_seconds = 0.0  # running mean of the propose step's time, for draft_length=cost
         self.skipped = 0  # draft_length=cost: rounds the drafter has been skipped since its last probe
+        self.record = hybrid.record_of(drafter)  # the drafter's recent rounds, shared by engines over it
         self.reqs: list[_Request] = []  # row order of every batch tensor below
         self.tcache = self.dcache = None
         self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
@@ -231,7 +232,6 @@ class SpecEngine:
         accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
         drafts = block[:, 1:].tolist()
         survival = None if prop.predicted is None else prop.predicted.float().cumprod(dim=1).tolist()
-        record = hybrid.record_of(self.drafter)
         claimed = None  # hybrid: what the drafter's probabilities expected of its verified drafts
         if self.proposer == "hybrid" and prop.probability is not None:
             claimed = prop.probability.float().cumprod(dim=1).tolist()
@@ -242,7 +242,7 @@ class SpecEngine:
             if copied:
                 req.ngram.record_copy(drafted[r], a)
             elif prop.drafter_ran:
-                record.add(a, drafted[r], t1 - t0)
+                self.record.add(a, drafted[r], t1 - t0)
                 if claimed is not None:
                     req.ngram.drafter_expected += sum(claimed[r][: drafted[r]])
                     req.ngram.drafter_accepted += a
@@ -256,17 +256,17 @@ class SpecEngine:
         rows whose own text offers a better continuation take it instead (hybrid, decoding/hybrid.py)."""
         R, B = len(self.reqs), self.block_size
         rows = [(r.params, r.generator) for r in self.reqs]
+        mask, V = self.drafter.mask_token_id, self.target.vocab_size
+        # copied rows' P(drafts 1..j+1 accepted), for the hybrid choice and the cost cut
+        survivals = None if self.proposer == "dflash" else [r.ngram.survival(B - 1) for r in self.reqs]
         if self.proposer == "ngram":
-            prop = proposal.copy_all(self.last, self.reqs, B, self.drafter.mask_token_id, self.target.vocab_size)
-            return self._by_cost(prop, {})
+            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V), {}, survivals)
         proposals = [NO_COPY] * R
         if self.proposer == "hybrid":
             proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
-            survivals = [r.ngram.survival(B - 1) for r in self.reqs]
-        if self._skip_drafter(proposals, survivals if self.proposer == "hybrid" else None):
+        if self._skip_drafter(proposals, survivals):
             self.drafter.inject_context(self.pending, self.pending_n, self.dcache)  # keep its context whole
-            mask, V = self.drafter.mask_token_id, self.target.vocab_size
-            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V, proposals), {})
+            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V, proposals), {}, survivals)
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
             gated = "probability" in self.needs
@@ -288,14 +288,14 @@ class SpecEngine:
             calibrations = [r.ngram.calibration for r in self.reqs]
             copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, survivals, calibrations)
         prop = Proposal(block, q, n_draft, conf.get("confidence"), copied, conf.get("probability"))
-        return self._by_cost(prop, conf)
+        return self._by_cost(prop, conf, survivals)
 
     def _skip_drafter(self, proposals, survivals) -> bool:
         """Rounds without the drafter: every row has a copy expected to do at least as well as the
         drafter has been doing (hybrid), or, with draft_length=cost, drafting has not been paying
         for itself against plain decode steps (probed every PROBE_EVERY skipped rounds)."""
-        record = hybrid.record_of(self.drafter)
-        if survivals is not None and hybrid.copies_win(proposals, survivals, record):
+        record = self.record
+        if self.proposer == "hybrid" and hybrid.copies_win(proposals, survivals, record):
             return True
         if self.length_source != "cost" or not record.rounds:
             return False
@@ -305,11 +305,10 @@ class SpecEngine:
         self.skipped = (self.skipped + 1) % PROBE_EVERY
         return self.skipped != 0
 
-    def _by_cost(self, prop: Proposal, conf: dict) -> Proposal:
+    def _by_cost(self, prop: Proposal, conf: dict, survivals: list[list[float]] | None) -> Proposal:
+        """survivals: the copied rows' (None: no row can copy, proposer=dflash)."""
         if self.length_source != "cost":
             return prop
-        n = self.block_size - 1
-        survivals = [r.ngram.survival(n) if r.ngram is not None else [0.0] * n for r in self.reqs]
         return proposal.cut_by_cost(prop, conf.get(self.cost_source), survivals, self.cost, self.draft_seconds)
 
     def verify(self, block: torch.Tensor):

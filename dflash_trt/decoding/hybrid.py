@@ -85,16 +85,11 @@ class DrafterRecord:
     seconds: float = 0.0  # mean time of a drafting round
     decay: float = 0.9
 
-    @property
-    def mean(self) -> float:
-        return self.accepted
-
-    def add(self, accepted: int, drafted: int, seconds: float | None = None) -> None:
+    def add(self, accepted: int, drafted: int, seconds: float) -> None:
         k = 0.0 if not self.rounds else self.decay
         self.accepted = k * self.accepted + (1 - k) * accepted
         self.drafted = k * self.drafted + (1 - k) * drafted
-        if seconds is not None:
-            self.seconds = k * self.seconds + (1 - k) * seconds
+        self.seconds = k * self.seconds + (1 - k) * seconds
         self.rounds += 1
 
 
@@ -106,7 +101,7 @@ def copies_win(proposals: list[NgramProposal], survivals: list[list[float]], rec
     """Skip the drafter this round: every row has a copy expected to get at least as many drafts
     accepted as the drafter has been getting per round (drafting costs a forward pass for the batch,
     so it is skipped only when no row needs it)."""
-    return all(p.tokens and sum(surv[: len(p.tokens)]) >= record.mean for p, surv in zip(proposals, survivals))
+    return all(p.tokens and sum(surv[: len(p.tokens)]) >= record.accepted for p, surv in zip(proposals, survivals))
 
 
 def expected_accepted(probs: torch.Tensor) -> torch.Tensor:

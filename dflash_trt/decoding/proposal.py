@@ -103,14 +103,14 @@ def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int, pr
 def cut_by_cost(
     prop: Proposal,
     estimates: torch.Tensor | None,
-    survivals: list[list[float]],
+    survivals: list[list[float]] | None,
     cost: VerifyCost,
     draft_seconds: float,
 ) -> Proposal:
     """draft_length=cost: cut every row to the batch's best verify width (decoding/verify_cost.py).
     A row's survival is the running product of its drafts' acceptance estimates: the drafter's
     (estimates [R, B-1], None when it offers none) or, for a copied row, its copies' record
-    (survivals: per row, NgramRecord.survival(B-1))."""
+    (survivals: per row, NgramRecord.survival(B-1); None when no row can copy)."""
     R, n = prop.block.shape[0], prop.block.shape[1] - 1
     dev = prop.block.device
     survival = torch.zeros(R, n, device=dev) if estimates is None else estimates.float().cumprod(dim=1)
