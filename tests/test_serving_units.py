@@ -15,6 +15,7 @@ from conftest import tiny_drafter, tiny_model_dir, tiny_target, tiny_tokenizer
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.engine import SpecEngine
 from dflash_trt.decoding.loop import generate_baseline
+from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import DFlashError
 from dflash_trt.modeling.target import TargetModel
 from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
@@ -497,10 +498,6 @@ class _FakeOut:
         self.finish_reason = "length" if finished else ""
 
 
-class _FakeStats:
-    num_verify_steps = num_draft_tokens = num_accepted_draft_tokens = 0
-
-
 class _GatedEngine:
     """A fake engine: one token a step (prompt[0] + i), each step blocks while `gate` is closed (a slow step)."""
 
@@ -531,7 +528,7 @@ class _GatedEngine:
         for key, row in list(self.rows.items()):
             row[2] += 1
             done = row[2] >= row[1]
-            outs.append(_FakeOut(key, [row[0] + row[2] - 1], done, _FakeStats()))
+            outs.append(_FakeOut(key, [row[0] + row[2] - 1], done, DecodeStats()))
             if done:
                 del self.rows[key]
         return outs

@@ -81,7 +81,7 @@ class _Job:
     first_token: float | None = None
     # verify steps, draft tokens, accepted tokens, copied draft tokens, accepted copied tokens already counted
     seen: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
-    stats: object = None
+    stats: object = None  # the engine's DecodeStats (decoding/stats.py) once it has output
     finish_reason: str = ""
 
     def progress(self, num_prev: int, perf: dict | None = None) -> Progress:
@@ -358,8 +358,8 @@ class Orchestrator:
             s.num_verify_steps,
             s.num_draft_tokens,
             s.num_accepted_draft_tokens,
-            getattr(s, "num_copied_draft_tokens", 0),
-            getattr(s, "num_accepted_copied_tokens", 0),
+            s.num_copied_draft_tokens,
+            s.num_accepted_copied_tokens,
         )
         d = [a - b for a, b in zip(now, job.seen)]
         job.seen = now
@@ -379,18 +379,14 @@ class Orchestrator:
                 "verify_time": s.verify_time,
                 "accept_hist": list(s.accept_hist),
                 "block_size": s.block_size,
-                "per_position_acceptance": list(getattr(s, "per_position_acceptance", [])),
+                "per_position_acceptance": s.per_position_acceptance,
+                "sources": s.sources,  # steps / drafts / accepted per draft source: drafter, copied (decoding/stats.py)
             }
-            if hasattr(s, "sources"):  # steps / drafts / accepted per draft source: drafter, copied (decoding/stats.py)
-                perf["sources"] = s.sources
-            if getattr(s, "predicted_tau", None) is not None:  # a drafter with a confidence head (DSpark)
-                perf.update(predicted_per_position=list(s.predicted_per_position), predicted_tau=s.predicted_tau)
+            if s.predicted_tau is not None:  # a drafter with a confidence head (DSpark)
+                perf.update(predicted_per_position=s.predicted_per_position, predicted_tau=s.predicted_tau)
         p = job.progress(job.sent if job.req.sampling.stream else 0, perf)
         self.metrics.finished(p)
-        s = job.stats
-        self.metrics.positions(
-            list(getattr(s, "accepted_at", None) or []), list(getattr(s, "predicted_at", None) or [])
-        )
+        self.metrics.positions(list(job.stats.accepted_at), list(job.stats.predicted_at))
         if self._safe(job, lambda j: j.sink.send(p, True)):
             self._delivered(job)
 
