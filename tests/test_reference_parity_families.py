@@ -290,8 +290,7 @@ def test_sampled_distribution_equals_target(family):
     """Lossless with the sequential q (each draft's q reads the drafts before it), and with a draft
     length the confidence head sets before each draft is drawn: tokens 2 and 3 follow the target's
     own distribution (chi-square over N rows, as test_loop's)."""
-    from test_loop import _exact_marginals
-    from test_verify import chi2_pvalue
+    from test_loop import assert_follows_target
 
     from dflash_trt.config import DrafterConfig
 
@@ -317,10 +316,7 @@ def test_sampled_distribution_equals_target(family):
     assert 0.05 < stats.acceptance_rate < 0.95, stats.acceptance_rate
     if kw:
         assert stats.num_draft_tokens < (B - 1) * stats.num_verify_steps  # the length rule acted
-    for col, exp in zip((1, 2), _exact_marginals(t, prompt, V)):
-        got = torch.bincount(torch.tensor([x[col] for x in tokens]), minlength=V).numpy()
-        keep = exp * N > 5
-        assert chi2_pvalue(got[keep.numpy()], exp[keep]) > 1e-3
+    assert_follows_target(t, prompt, V, tokens)
 
 
 @pytest.mark.parametrize(
