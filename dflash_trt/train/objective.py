@@ -240,16 +240,22 @@ def _plain_loss(
 ) -> LossOutput:
     """dflash_loss from the training forward's hidden states."""
     logits = drafter.finish_logits(drafter.head_logits(hidden[:, :, 1:]))  # [N, J, B-1, Vd]
-    labels = blocks.labels  # [N, J, B-1] token ids
-    if drafter.draft_vocab is not None:  # token ids -> draft-vocab indices; outside: no loss, never correct
-        dv = drafter.draft_vocab.to(labels.device)
-        idx = torch.searchsorted(dv, labels.contiguous()).clamp_max(len(dv) - 1)
-        labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
+    labels = _logit_columns(drafter, blocks.labels)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none", ignore_index=-100).view_as(labels)
     if soft is not None and kd_weight > 0:
         soft_ce = -(soft.to(logits.dtype) * logits.log_softmax(-1)).sum(-1)  # [N, J, B-1]
         ce = (1.0 - kd_weight) * ce + kd_weight * soft_ce
     return _reduce(blocks, gamma, [(1.0, ce)], logits.argmax(-1), labels)
+
+
+def _logit_columns(drafter: DFlashDrafter, labels: torch.Tensor) -> torch.Tensor:
+    """Label token ids [N, J, B-1] -> the drafter's logit columns: the ids themselves, or with a draft
+    vocabulary their indices in it (-100 outside it: no loss, never correct)."""
+    if drafter.draft_vocab is None:
+        return labels
+    dv = drafter.draft_vocab.to(labels.device)
+    idx = torch.searchsorted(dv, labels.contiguous()).clamp_max(len(dv) - 1)
+    return torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
 
 
 def _reduce(blocks: BlockBatch, gamma: float, terms: list, predicted: torch.Tensor, labels: torch.Tensor):
@@ -326,11 +332,7 @@ def dpace_loss(
     The D-PACE weights replace exp(-(k-1)/gamma); accuracy and tau_est are dflash_loss's."""
     hidden = drafter_train_forward(drafter, taps, blocks)
     logits = drafter.finish_logits(drafter.head_logits(hidden[:, :, 1:]))  # [N, J, B-1, Vd]
-    labels = blocks.labels
-    if drafter.draft_vocab is not None:
-        dv = drafter.draft_vocab.to(labels.device)
-        idx = torch.searchsorted(dv, labels.contiguous()).clamp_max(len(dv) - 1)
-        labels = torch.where(dv[idx] == labels, idx, torch.full_like(idx, -100))
+    labels = _logit_columns(drafter, blocks.labels)
     nll = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none", ignore_index=-100)
     nll = nll.view_as(labels)
     mask = blocks.valid[..., None].expand_as(labels) & (labels != -100)
