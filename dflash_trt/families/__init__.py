@@ -8,6 +8,8 @@ Boundary: the registry only. Each family is one module of this package declaring
   PROJECTOR_TYPE             the SpecForge `projector_type` value that names it (None: none); a
                              DFlashDraftModel config with that projector_type is this family
                              (SGLang's layout for Domino);
+  TEACHER                    the training terms that read the target's logits at the block positions
+                             (a description for the log; None: none do);
   KERNELS                    whether the Triton kernels / CUDA graph / TensorRT paths implement it;
   check_fields(fields, cfg)  validation (and normalisation) of those fields against the DrafterConfig;
   lengths(cfg)               the draft-length sources its propose can return ("probability",

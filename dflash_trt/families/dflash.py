@@ -14,6 +14,7 @@ NAME, ARCHITECTURE, LABEL = "dflash", "DFlashDraftModel", "DFlash"
 CONFIG_KEYS: tuple[str, ...] = ()
 KERNELS = True
 TOP_LEVEL_TOO: tuple[str, ...] = ()
+TEACHER: str | None = None  # train_terms does not read the target's logits
 DEFAULTS: dict = {}
 PROJECTOR_TYPE = None
 

@@ -27,6 +27,7 @@ NAME, ARCHITECTURE, LABEL = "dflash2", "DFlash2DraftModel", "DFlash 2"
 CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 KERNELS = False
 TOP_LEVEL_TOO: tuple[str, ...] = ()
+TEACHER: str | None = None  # train_terms does not read the target's logits
 DEFAULTS: dict = {}
 PROJECTOR_TYPE = None
 SELECTOR = "candidate_selector"

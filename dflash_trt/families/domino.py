@@ -32,6 +32,7 @@ CONFIG_KEYS = ("projector_type", "emb_dim", "gru_hidden_dim", "pure_draft_prefix
 DEFAULTS = {"projector_type": PROJECTOR_TYPE, "pure_draft_prefix_len": 0, "shift_label": False}
 KERNELS = False
 TOP_LEVEL_TOO: tuple[str, ...] = ()
+TEACHER: str | None = None  # train_terms does not read the target's logits
 
 
 def check_fields(fields: dict, cfg) -> None:

@@ -59,6 +59,7 @@ DEFAULTS = {
     "attention_mode": "gqa",
     "sample_from_anchor": True,
 }
+TEACHER = "CE + L1 + confidence terms"  # train_terms matches the target's logits at the block positions
 # read from dflash_config first, but vLLM and SGLang read these at the top level: written in both places
 TOP_LEVEL_TOO = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 HEAD_TYPES = ("vanilla", "gated", "rnn")

@@ -247,8 +247,9 @@ def _micro_batch_loss(
             res = dpace_loss(drafter, taps, blocks, gamma, cfg.dpace_alpha)
         return res, sum(lens), distributed.loss_scale(len(batch), len(gbatch))
     soft = soft_labels(drafter, teacher, blocks.positions) if teacher is not None and cfg.kd_weight else None
-    # DSpark's L1 and confidence terms match the target's distribution at each block position
-    logits = target_block_logits(target, ids, blocks.positions) if cfg.family == "dspark" else None
+    # a family whose terms match the target's distribution at each block position (DSpark's L1, confidence)
+    teacher = FAMILY_NAMES[cfg.family].TEACHER is not None
+    logits = target_block_logits(target, ids, blocks.positions) if teacher else None
     with autocast:
         res = family_loss(drafter, taps, blocks, gamma, soft, cfg.kd_weight, teacher_logits=logits)
     return res, sum(lens), distributed.loss_scale(float(valid.sum()), float(g_valid.sum()))
@@ -299,8 +300,9 @@ def _make_drafter(cfg: TrainConfig, target, dcfg, vocab, state, seqs, store) -> 
             print(f"init_from {cfg.init_from}: backbone copied; {len(heads)} head tensors from init_heads")
     elif state is not None and cfg.freeze_backbone:
         freeze_except(drafter, state["trained"])
-    if cfg.family == "dspark" and distributed.rank() == 0:
-        print("dspark: CE + L1 + confidence terms against the target's logits (computed each batch)")
+    terms = FAMILY_NAMES[cfg.family].TEACHER
+    if terms is not None and distributed.rank() == 0:
+        print(f"{cfg.family}: {terms} against the target's logits (computed each batch)")
     return drafter
 
 
