@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.bench.plots import make_plots
-from dflash_trt.decoding.stats import DecodeStats
+from dflash_trt.decoding.stats import DecodeStats, add_lists
 
 
 def summarize(runs) -> dict:
@@ -46,7 +46,7 @@ def summarize(runs) -> dict:
     judged = [r.drafts_verified for r in runs if getattr(r, "drafts_verified", None) is not None]
     st = DecodeStats.from_hist(hist, sum(judged))  # tau and per-position acceptance: decoding/stats.py
     for r in runs:  # the confidence head's summed predictions, where the drafter has one
-        st.predicted_at = _add(st.predicted_at, getattr(r, "predicted_at", None) or [])
+        st.predicted_at = add_lists(st.predicted_at, getattr(r, "predicted_at", None) or [])
     steps = st.num_verify_steps
     sources = _add_sources([getattr(r, "sources", None) for r in runs])
     draft, verify = sum(r.draft_time for r in runs), sum(r.verify_time for r in runs)
@@ -80,10 +80,6 @@ def _add_sources(per_run: list[dict | None]) -> dict | None:
             for k, v in counts.items():
                 acc[k] = acc.get(k, 0) + int(v)
     return out
-
-
-def _add(a: list, b: list) -> list:
-    return [(a[i] if i < len(a) else 0.0) + (b[i] if i < len(b) else 0.0) for i in range(max(len(a), len(b)))]
 
 
 def aggregate(records: list[dict], methods: list[str]) -> list[dict]:

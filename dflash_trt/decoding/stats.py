@@ -56,7 +56,8 @@ def acceptance_rate(accepted_drafts: int, drafts: int) -> float:
     return accepted_drafts / drafts if drafts else 0.0
 
 
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
+def add_lists(a: list, b: list) -> list:
+    """Element-wise sum of two count lists of any lengths (the shorter padded with 0)."""
     n = max(len(a), len(b))
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
@@ -195,9 +196,9 @@ class DecodeStats:
         self.block_size = s.block_size or self.block_size
         for k in _COUNTS:
             setattr(self, k, getattr(self, k) + getattr(s, k))
-        self.accept_hist = _add_lists(self.accept_hist, s.accept_hist)
-        self.accepted_at = _add_lists(self.accepted_at, s.accepted_at)
-        self.predicted_at = _add_lists(self.predicted_at, s.predicted_at)
+        self.accept_hist = add_lists(self.accept_hist, s.accept_hist)
+        self.accepted_at = add_lists(self.accepted_at, s.accepted_at)
+        self.predicted_at = add_lists(self.predicted_at, s.predicted_at)
 
     def merge(self, other: DecodeStats) -> None:
         """Add another run's counts and times (runs one after another, e.g. over a prompt set)."""
