@@ -1,42 +1,45 @@
-# dflash-trt on NVIDIA's Triton Inference Server image with TensorRT-LLM (GPU hosts).
+# dflash-trt on NVIDIA's Triton Inference Server image with TensorRT-LLM >= 1.3 (GPU hosts).
 #
 # This file cannot be built on hosts without a Docker engine (the machine this project is developed
-# on has none: nothing here was built or run; the CPU path is `pip install -e .` as in the README).
+# on has none: nothing here was built or run; tests/test_dockerfile.py checks what it can: the paths
+# it copies, the extras it names, and that the packages it installs resolve on PyPI).
 #
-#   docker build -t dflash-trt .
+#   docker build --build-arg TRITON_TAG=<yy.mm> -t dflash-trt .
 #   docker run --gpus all --network host -v $PWD:/work dflash-trt \
 #     bash -c "dflash-trt build --config /work/build.yaml --out /work/out && \
 #              dflash-trt serve --model-repo /work/out/model_repo"
 #
-# Base image: the NGC `tritonserver:<yy.mm>-trtllm-python-py3` line ships Triton + TensorRT-LLM.
-# TensorRT-LLM 1.2.x is the last release line that builds TensorRT engines (`backend: tensorrt-llm`);
-# >= 1.3 has DFlash in its PyTorch backend (`backend: trtllm-pytorch`, no engine build).
-# Pick a tag from the "Release Compatibility Matrix, Container Name: trtllm-python-py3" table of the
-# Triton docs (column "TensorRT-LLM version"), e.g.
-#   docker build --build-arg TRITON_TAG=<yy.mm> -t dflash-trt .
-# The default tag below is NOT verified to carry 1.2.x (25.12 ships TensorRT-LLM 1.1.0); the check
-# in the first RUN step stops the build with a clear message when the image has another version.
-ARG TRITON_TAG=26.02
+# A `backend: trtllm-pytorch` build is served by Triton's own llmapi model instead (no dflash-trt at
+# serve time): `tritonserver --model-repository /work/out/model_repo`, as its model_repo/README.md says.
+#
+# Base image: nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships Triton + TensorRT-LLM.
+# DFlash and DSpark are in TensorRT-LLM's PyTorch backend from 1.3 on (TensorRT-LLM PR #12794 added
+# DFlashDecodingConfig; the TensorRT engine backend, trtllm-build, was removed in July 2026).
+# TRITON_TAG has no default on purpose: the Triton "Release Compatibility Matrix" (table "Container
+# Name: trtllm-python-py3", column "TensorRT-LLM version"; triton-inference-server/server
+# docs/introduction/compatibility.md) lists no release with TensorRT-LLM >= 1.3 yet: 26.03 ships
+# 1.2.0 and 26.04 to 26.07 ship 1.2.1. Pick the first release whose row says 1.3 or later. Without
+# the build arg the pull fails naming this placeholder; with an older tag the first RUN step stops.
+ARG TRITON_TAG=REQUIRED--pass--build-arg-TRITON_TAG-of-a-release-with-TensorRT-LLM-1.3
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3
 
-# Set to a 1.3 prefix for a trtllm-pytorch-only image.
-ARG TRTLLM_SERIES=1.2
-
-RUN python3 -c "import importlib.metadata as m, sys; v = m.version('tensorrt_llm'); \
-ok = v.startswith('${TRTLLM_SERIES}'); \
-print('tensorrt_llm', v, 'ok' if ok else 'is not ${TRTLLM_SERIES}.x: pick another TRITON_TAG (see the header)'); \
+# The image's TensorRT-LLM must have DFlash / DSpark (>= 1.3); stop the build here otherwise.
+RUN python3 -c "import importlib.metadata as m, re, sys; v = m.version('tensorrt_llm'); \
+ok = tuple(map(int, re.match(r'(\d+)\.(\d+)', v).groups())) >= (1, 3); \
+print('tensorrt_llm', v, 'ok' if ok else 'is older than 1.3 (no DFlash / DSpark): pick another TRITON_TAG, see the header'); \
 sys.exit(0 if ok else 1)"
 
 WORKDIR /opt/dflash-trt
 COPY pyproject.toml README.md ./
 COPY dflash_trt ./dflash_trt
-COPY plugins ./plugins
-# The image's own torch / tensorrt_llm satisfy the requirements (the `trt` extra pins
-# tensorrt-llm>=1.2,<1.3, so pip keeps the preinstalled one); tritonclient for `dflash-trt client`.
-RUN pip install --no-cache-dir ".[trt,kernels]" "tritonclient[grpc]>=2.50"
+# serve: Triton via PyTriton + tritonclient (`dflash-trt serve`, `dflash-trt client`); kernels: the
+# Triton kernels of the torch backend. The image's own torch and tensorrt_llm stay as they are.
+RUN pip install --no-cache-dir ".[serve,kernels]"
 
-# AOT-compile the DFlash Triton kernels (cubin/PTX for the TensorRT plugins) for sm_90/sm_100/sm_120.
-RUN dflash-trt plugins compile --out /opt/dflash-trt/plugins/build
+# Optional: compile every DFlash kernel ahead of time for sm_90 / sm_100 / sm_120 (a check that they
+# build; at run time Triton compiles them on first use). docker build --build-arg COMPILE_KERNELS=1 ...
+ARG COMPILE_KERNELS=0
+RUN if [ "$COMPILE_KERNELS" = "1" ]; then dflash-trt kernels compile --out /opt/dflash-trt/kernels_build; fi
 
 ENV DFLASH_TRT_HOME=/work/.cache/dflash-trt
 WORKDIR /work

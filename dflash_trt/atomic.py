@@ -3,7 +3,7 @@
 Boundary: the one home of "build in a temp dir next to the destination, rename into place". Every
 folder this package writes as a unit goes through it: drafter checkpoints (modeling/drafter.py),
 training checkpoints (train/trainer.py), Triton model repositories (serving/repo.py), fetched models
-(hub/models.py), build outputs (deploy/run.py, deploy/convert.py, deploy/hf_checkpoint.py) and AOT
+(hub/models.py), build outputs (deploy/run.py, deploy/hf_checkpoint.py) and AOT
 kernel folders (kernels/aot.py). What goes inside (and any completion marker, e.g. hub's
 `.complete`) stays with the caller.
 

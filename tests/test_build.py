@@ -4,7 +4,6 @@ and the quantized-vs-bf16 eval report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -83,7 +82,6 @@ def test_torch_build_is_served_with_in_process_greedy_text(pair, tmp_path):
     assert statuses(manifest) == {
         "check": "ran",
         "quantize": "not needed",
-        "convert": "not needed",
         "engine": "ran",
         "repo": "ran",
         "emit": "not needed",
@@ -256,7 +254,7 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
     out, first = build(tmp_path, root)
     _, second = build(tmp_path, root)
     assert {k: v for k, v in statuses(second).items() if v != "not needed"} == {
-        "check": "cached",
+        "check": "ran",  # always: its refusals read more options than its outputs depend on
         "engine": "cached",
         "repo": "cached",
     }
@@ -269,6 +267,8 @@ def test_second_build_reuses_stages_and_force_rebuilds(pair, tmp_path):
     assert 'key: "proposer" value: { string_value: "hybrid" }' in dflash_cfg
     assert "count: 2" in (out / "model_repo" / "dflash_unary" / "config.pbtxt").read_text()
     assert not (out / "model_repo" / "dflash_bls").exists() and (out / "model_repo" / "dflash").is_dir()
+    # decoupled: false keeps the ensemble, over a unary engine model (HTTP /infer and gRPC ModelInfer work on it)
+    assert "decoupled: false" in dflash_cfg and (out / "model_repo" / "ensemble" / "config.pbtxt").is_file()
     _, forced = build(tmp_path, root, "out", "--force", instance_count=2)
     assert {statuses(forced)[s] for s in ("check", "engine", "repo")} == {"ran"}
 
@@ -326,50 +326,16 @@ def test_failed_or_interrupted_stage_leaves_no_or_the_old_out_dir(pair, tmp_path
     assert not leftovers(tmp_path, "out")
 
 
-# ---- (e) tensorrt-llm refuses without TensorRT-LLM ---------------------------------------------
-def test_tensorrt_llm_backend_refuses_and_writes_nothing(pair, tmp_path):
-    if importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available():
-        pytest.skip("TensorRT-LLM and a GPU are present: the refusal does not apply")
+# ---- (e) tensorrt-llm (engine builds, removed upstream) is refused in one line ---------------------
+@pytest.mark.parametrize("stage", [(), ("check",)])
+def test_removed_tensorrt_llm_backend_is_one_line_and_writes_nothing(pair, tmp_path, stage):
     root, _ = pair
     cfg = write_yaml(tmp_path / "e.yaml", **base_fields(root, backend="tensorrt-llm"))
-    r = cli("--config", cfg, "--out", tmp_path / "out")
-    assert r.exit_code == 2 and r.output.startswith("error: backend=tensorrt-llm needs ")
-    assert "Nothing was written" in r.output and "docker run --gpus all" in r.output
+    r = cli(*stage, "--config", cfg, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("error: backend=tensorrt-llm: TensorRT-LLM no longer builds TensorRT engines")
+    assert "use backend: trtllm-pytorch" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.yaml"]
-
-
-# ---- (f) trtllm-pytorch model.yaml and vLLM / SGLang commands ----------------------------------
-def test_trtllm_pytorch_model_yaml_and_emitted_commands(pair, tmp_path):
-    root, _ = pair
-    out, manifest = build(tmp_path, root, backend="trtllm-pytorch", emit="vllm,sglang", kv_cache="fp8")
-    conf = yaml.safe_load((out / "engine" / "model.yaml").read_text())
-    drafter = out / "engine" / "drafter"
-    assert conf["speculative_config"] == {
-        "decoding_type": "DFlash",
-        "speculative_model": str(drafter),
-        "max_draft_len": BLOCK - 1,
-        "mask_token_id": conf["speculative_config"]["mask_token_id"],
-        "target_layer_ids": DrafterConfig.load(root / "drafter").target_layer_ids,
-    }
-    assert (
-        conf["backend"] == "pytorch"
-        and conf["model"] == str(root / "target")
-        and conf["kv_cache_config"] == {"dtype": "fp8"}
-    )
-    assert (drafter / "config.json").is_file() and (drafter / "model.safetensors").is_file()
-    assert DrafterConfig.load(drafter).block_size == BLOCK
-    served = yaml.safe_load((out / "model_repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    assert served == {**conf, "triton_config": {"max_batch_size": 0, "decoupled": True}}
-    vllm, sglang = (out / "serve" / "vllm.sh").read_text(), (out / "serve" / "sglang.sh").read_text()
-    assert f"vllm serve {root / 'target'}" in vllm and "--kv-cache-dtype fp8" in vllm
-    spec = json.loads(vllm.split("--speculative-config '")[1].split("'")[0])
-    assert spec == {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": BLOCK - 1}
-    assert "--speculative-algorithm DFLASH" in sglang and f"--speculative-draft-model-path {root / 'drafter'}" in sglang
-    assert f"--speculative-num-draft-tokens {BLOCK}" in sglang
-    assert statuses(manifest)["emit"] == "ran" and set(manifest["stages"]["emit"]["info"]["commands"]) == {
-        "vllm",
-        "sglang",
-    }
 
 
 # ---- (g) quantized build: eval numbers in build.json -----------------------------------------------
@@ -419,7 +385,7 @@ def test_quantized_build_reports_tau_and_agreement(pair, tmp_path):
     # the serving loader reads the quantized engine folders too, with the same numerics as in-process
     from dflash_trt.config import SamplingParams
     from dflash_trt.decoding.loop import generate_baseline
-    from dflash_trt.serving.orchestrator import load_engine_factory
+    from dflash_trt.serving.engine_factory import load_engine_factory
 
     engine = load_engine_factory(str(out / "engine" / "target"), str(out / "engine" / "drafter"), dtype="float32")()
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)

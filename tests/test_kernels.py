@@ -1,4 +1,4 @@
-"""Triton kernels == their PyTorch references (CPU interpreter), AOT compile, TRT plugin guard.
+"""Triton kernels == their PyTorch references (CPU interpreter), and their AOT compile for GPU archs.
 
 Runs with TRITON_INTERPRET=1 so every @triton.jit kernel executes on CPU tensors; the grid is
 small (few rows, short contexts, small d and V) because the interpreter is slow.
@@ -39,7 +39,6 @@ from dflash_trt.kernels import (  # noqa: E402
     kernels_available,  # noqa: E402
     kv_inject,
     rejection_accept,
-    trt_plugins,
 )
 from dflash_trt.kernels.inject import kv_inject_kernel  # noqa: E402
 from dflash_trt.kernels.reference import block_draft_attention_ref, kv_inject_ref, rope_inv_freq  # noqa: E402
@@ -340,24 +339,12 @@ def test_aot_compiles_every_kernel_for_sm90_and_sm100(tmp_path):
         ptx = (out / e["files"]["ptx"]["path"]).read_text()
         assert f".entry {e['entry']}(" in ptx and f".target sm_{arch[3:]}a" in ptx
         assert (out / e["files"]["cubin"]["path"]).read_bytes()[:4] == b"\x7fELF"
-        # the TensorRT flavour takes exactly (inputs, int32 extras, outputs) and still assembles
-        trt_ptx = out / e["files"]["trt.ptx"]["path"]
-        entry = trt_ptx.read_text().split(f".entry {e['entry']}(")[1].split(")")[0]
-        assert entry.count(".param") == len(spec.types) == ptx.split(")")[0].count(".param") - 2
-        subprocess.run(
-            [get_ptxas(int(arch[3:])).path, f"-arch={arch}a", "-o", os.devnull, str(trt_ptx)],
+        subprocess.run(  # the PTX assembles for the arch with the ptxas Triton ships
+            [get_ptxas(int(arch[3:])).path, f"-arch={arch}a", "-o", os.devnull, str(out / e["files"]["ptx"]["path"])],
             check=True,
             capture_output=True,
         )
     assert [p.name for p in tmp_path.iterdir()] == ["plugins"]  # no temp dirs left behind
-
-
-def test_strip_scratch_params_refuses_used_parameters():
-    ptx = ".entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n{\n\tld.param.b64 %rd1, [k_param_1];\n}"
-    with pytest.raises(ValueError, match="k_param_1 is used"):
-        aot.strip_scratch_params(ptx, "k", 1)
-    kept = aot.strip_scratch_params(ptx.replace("[k_param_1]", "[k_param_0]"), "k", 1)
-    assert "k_param_1" not in kept and ".param .u64 k_param_0\n)" in kept
 
 
 BROKEN = """
@@ -391,14 +378,3 @@ def test_aot_broken_kernel_raises_and_writes_nothing(tmp_path, monkeypatch):
 def test_aot_full_default_set(tmp_path):
     aot.compile_all(["sm_90", "sm_100"], tmp_path / "all", jobs=os.cpu_count() or 1)
     assert len(aot.load_manifest(tmp_path / "all")["kernels"]) == 2 * len(aot.default_specs())
-
-
-# ------------------------------------------------------------------ TensorRT plugins
-@pytest.mark.skipif(trt_plugins.tensorrt_available(), reason="tensorrt is installed; the guard is moot")
-def test_trt_plugins_guard_without_tensorrt():
-    with pytest.raises(trt_plugins.TensorRTUnavailable, match="NGC TensorRT-LLM container"):
-        trt_plugins.register_plugins()
-    with pytest.raises(trt_plugins.TensorRTUnavailable):
-        trt_plugins.add_plugin_layer(None, trt_plugins.KV_INJECT_ID, [])
-    assert trt_plugins.KV_INJECT_ID == "dflash::DFlashKVInject"
-    assert trt_plugins.BLOCK_ATTENTION_ID == "dflash::DFlashBlockAttention"

@@ -16,6 +16,7 @@ from dflash_trt.deploy.quantize import (
     calibrate_act_amax,
     check_quant_target,
     dequantize_state_dict,
+    kv_scales,
     quantizable_modules,
     quantize_state_dict,
 )
@@ -266,3 +267,23 @@ def test_matches_modelopt_bit_for_bit():
         assert torch.equal(
             s8.flatten()[nz] if per_channel else s8, F.fp8_scale(w, per_channel)[nz] if per_channel else F.fp8_scale(w)
         )
+
+
+def test_kv_scales_match_modelopt_export():
+    """modelopt's HF export turns each attention layer's k/v_bmm_quantizer amax into
+    `<attn>.k_proj.k_scale` / `.v_proj.v_scale` = amax / 448 (quant_utils.py postprocess_state_dict,
+    unified_export_hf.py kv_cache_max_bound = 448); ours must be the same tensors, bit for bit."""
+    pytest.importorskip("modelopt")
+    try:
+        from modelopt.torch.export.quant_utils import postprocess_state_dict
+    except Exception as e:  # installed without its dependencies
+        pytest.skip(f"modelopt not importable: {e}")
+    amax = {"model.layers.0.self_attn": (3.0117, 0.5360), "model.layers.1.self_attn": (2.8061, 1e-3)}
+    theirs = postprocess_state_dict(
+        {f"{a}.{q}_bmm_quantizer._amax": torch.tensor(v[i]) for a, v in amax.items() for i, q in enumerate("kv")},
+        448,
+        "FP8",
+    )
+    ours = kv_scales(amax, amax)
+    assert set(theirs) == set(ours)
+    assert all(torch.equal(theirs[k].float().reshape(()), ours[k]) for k in ours)

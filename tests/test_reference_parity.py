@@ -243,10 +243,3 @@ def test_kernel_path_routes_masked_drafters_to_torch(tmp_path):
         cfg = DFlashDrafter.from_pretrained(ref_checkpoint(tmp_path / variant, variant)).config
         reason = drafter_unsupported_reason(dataclasses.replace(cfg, head_dim=32))  # a head_dim the kernels take
         assert (reason is not None and "block attention kernel has no mask" in reason) == (variant != "plain"), reason
-
-
-def test_tensorrt_conversion_refuses_fields_it_lacks(tmp_path):
-    from dflash_trt.deploy.convert import convert_drafter
-
-    with pytest.raises(ConfigError, match="dflash_config.input_embedding_scale, .*TensorRT-LLM drafter"):
-        convert_drafter(ref_checkpoint(tmp_path / "d", "fields"), tmp_path / "trt")

@@ -17,15 +17,25 @@ from pathlib import Path
 from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
 from dflash_trt.decoding.engine import PROPOSERS
-from dflash_trt.deploy.quantize import check_quant_target
+from dflash_trt.deploy.quantize import check_kv_cache, check_quant_target
 from dflash_trt.errors import ConfigError
 
-BACKENDS = ("torch", "tensorrt-llm", "trtllm-pytorch")
+BACKENDS = ("torch", "trtllm-pytorch")
+# TensorRT-LLM's TensorRT engine backend (trtllm-build, TensorRT-LLM <= 1.2) was removed upstream in
+# July 2026; a build.yaml written for it gets this one line instead of "unknown backend"
+REMOVED_BACKENDS = {
+    "tensorrt-llm": (
+        "backend=tensorrt-llm: TensorRT-LLM no longer builds TensorRT engines (its engine backend was removed "
+        "in July 2026); use backend: trtllm-pytorch (TensorRT-LLM >= 1.3 PyTorch backend, served by Triton's "
+        "llmapi model), or backend: torch"
+    )
+}
 QUANTS = ("bf16", "fp8", "nvfp4")
 KV_CACHES = ("bf16", "fp8")
 SMS = ("sm_90", "sm_100", "sm_120")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 EMITS = ("vllm", "sglang")
+ATTENTION_BACKENDS = ("auto", "trtllm", "flashinfer", "vanilla")
 
 
 @dataclass
@@ -35,13 +45,19 @@ class BuildConfig:
     target: str = None  # target model: a registry name (`dflash-trt models list`) or a Hugging Face folder
     drafter: str = None  # DFlash drafter folder (z-lab layout: config.json + model.safetensors)
     tokenizer: str | None = None  # tokenizer folder (default: the target folder)
-    backend: str = "torch"  # engine backend: torch | tensorrt-llm | trtllm-pytorch
+    backend: str = "torch"  # torch (dflash-trt engine in Triton) | trtllm-pytorch (TensorRT-LLM >= 1.3)
     target_quant: str = "bf16"  # target weights: bf16 | fp8 | nvfp4 (Model Optimizer HF layout)
     drafter_quant: str = "bf16"  # drafter weights: bf16 | fp8 | nvfp4
     kv_cache: str = "bf16"  # KV cache precision: bf16 | fp8
     sm: str = "sm_90"  # GPU generation targeted: sm_90 (Hopper) | sm_100 | sm_120 (Blackwell)
-    tp_size: int = 1  # tensor-parallel ranks (TensorRT-LLM checkpoints, trtllm-pytorch, vllm/sglang)
-    dtype: str = "auto"  # compute dtype: auto (torch: fp32 CPU, bf16 GPU; TRT-LLM bf16) | bfloat16 | float16 | float32
+    tp_size: int = 1  # tensor-parallel ranks (trtllm-pytorch, vllm / sglang commands; torch runs one rank)
+    pp_size: int = 1  # pipeline-parallel ranks (trtllm-pytorch, vllm / sglang commands)
+    ep_size: int = 1  # expert-parallel ranks of a MoE target (trtllm-pytorch, vllm / sglang); 1 = off
+    cuda_graph_batch_sizes: list[int] = field(
+        default_factory=list
+    )  # batch sizes captured as CUDA graphs by TensorRT-LLM / vLLM / SGLang (empty = the engine's default)
+    attention_backend: str = "auto"  # trtllm-pytorch attn_backend: auto (TRTLLM) | trtllm | flashinfer | vanilla
+    dtype: str = "auto"  # compute dtype: auto (fp32 CPU, bf16 GPU; TRT-LLM: the model's) | bfloat16 | float16 | float32
     max_batch: int = 16  # most concurrent sequences per engine step
     max_seq_len: int = 2048  # most tokens per sequence (prompt + output)
     triton_max_batch_size: int = 64  # Triton max_batch_size of the model entry points
@@ -49,7 +65,7 @@ class BuildConfig:
     chat: bool = (
         True  # served prompts go through the tokenizer's chat template (when it has one); requests can override
     )
-    decoupled: bool = True  # also serve the streaming (decoupled) entry points dflash_bls and ensemble
+    decoupled: bool = True  # streaming engine + dflash_bls; false: unary engine + ensemble (HTTP /infer)
     cpu_threads: int = 0  # torch intra-op threads of the served engine process (0 = torch's default)
     draft_cutoff: float = (
         0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
@@ -63,18 +79,22 @@ class BuildConfig:
     eval_source: str = "builtin"  # held-out prompts: builtin | humaneval | writingbench | FILE
     eval_max_new_tokens: int = 64  # greedy tokens generated per eval prompt
     emit: list[str] = field(default_factory=list)  # also write serving commands for: vllm, sglang (comma-separated)
-    plugins_dir: str | None = None  # AOT-compiled DFlash plugin folder (tensorrt-llm backend)
 
     def __post_init__(self):
         self._check_types()
+        if str(self.backend).strip().lower() in REMOVED_BACKENDS:
+            raise ConfigError(REMOVED_BACKENDS[str(self.backend).strip().lower()])
         self._one_of("backend", BACKENDS)
         self._one_of("target_quant", QUANTS)
         self._one_of("drafter_quant", QUANTS)
         self._one_of("kv_cache", KV_CACHES)
         self._one_of("sm", SMS)
         self._one_of("dtype", DTYPES)
+        self._one_of("attention_backend", ATTENTION_BACKENDS)
         for name in (
             "tp_size",
+            "pp_size",
+            "ep_size",
             "max_batch",
             "triton_max_batch_size",
             "instance_count",
@@ -105,6 +125,7 @@ class BuildConfig:
         bad = [e for e in self.emit if e not in EMITS]
         if bad:
             raise ConfigError(f"emit={bad[0]}: unknown; use any of {', '.join(EMITS)} (a list, or comma-separated)")
+        self._check_graph_sizes()
         self._check_gpu_generation()
 
     # ---- helpers --------------------------------------------------------------------------
@@ -143,9 +164,28 @@ class BuildConfig:
             if coerce is not None:
                 setattr(self, f.name, coerce(f.name, v))
 
+    def _check_graph_sizes(self) -> None:
+        raw = self.cuda_graph_batch_sizes
+        items = raw.split(",") if isinstance(raw, str) else list(raw or [])
+        sizes = []
+        for v in (str(x).strip() for x in items):
+            if not v:
+                continue
+            if not v.isdigit() or int(v) < 1:
+                raise ConfigError(f"cuda_graph_batch_sizes={raw!r}: {v!r} is not a batch size >= 1 (e.g. 1,2,4,8)")
+            sizes.append(int(v))
+        if sizes and max(sizes) > self.max_batch:
+            raise ConfigError(
+                f"cuda_graph_batch_sizes={sizes}: {max(sizes)} is above max_batch={self.max_batch}; "
+                f"drop it or raise max_batch"
+            )
+        self.cuda_graph_batch_sizes = sorted(set(sizes))
+
     def _check_gpu_generation(self) -> None:
         """NVFP4 tensor cores exist on Blackwell only: refuse nvfp4 for sm_90 (quantize.check_quant_target
-        decides; its message is re-worded to this config's field names)."""
+        decides; its message is re-worded to this config's field names). An fp8 KV cache needs a
+        quantised target to carry its calibrated scales (quantize.check_kv_cache)."""
+        check_kv_cache(self.target_quant, None if self.kv_cache == "bf16" else self.kv_cache)
         for name in ("target_quant", "drafter_quant"):
             try:
                 check_quant_target(getattr(self, name), self.sm, None if self.kv_cache == "bf16" else self.kv_cache)

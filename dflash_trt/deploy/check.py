@@ -15,8 +15,9 @@ from dflash_trt.api import load_tokenizer, resolve_target_dir
 from dflash_trt.config import DrafterConfig
 from dflash_trt.decoding.proposal import plan
 from dflash_trt.deploy.build_config import BuildConfig
-from dflash_trt.deploy.convert import _check_tp, _shape
+from dflash_trt.deploy.emit import check_emit
 from dflash_trt.deploy.quantize import quantizable_modules
+from dflash_trt.deploy.trtllm import check_expert_parallel, check_trtllm
 from dflash_trt.errors import CheckpointError, ConfigError, DFlashError, IncompatibleModelsError
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES
@@ -88,6 +89,19 @@ def _tokenizer_ok(folder: Path) -> None:
         raise ConfigError(f"tokenizer={folder}: cannot be loaded ({str(e)[:160]})") from None
 
 
+def check_tp(name: str, c, tp: int) -> None:
+    """tp ranks split attention heads, the MLP and the hidden size evenly; KV heads are split or
+    replicated (one of tp and num_key_value_heads divides the other), as TensorRT-LLM, vLLM and
+    SGLang require."""
+    for field in ("num_attention_heads", "intermediate_size", "hidden_size"):
+        n = getattr(c, field)
+        if n % tp:
+            raise ConfigError(f"tp_size={tp} does not divide the {name}'s {field}={n}; choose a tp_size that does")
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"tp_size={tp} and the {name}'s num_key_value_heads={kv}: one must divide the other")
+
+
 def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
     """Verify the pair and return the summary dict (raises ConfigError / IncompatibleModelsError)."""
     # deferred: transformers takes ~0.6 s to import, and `dflash-trt --help` imports this module
@@ -132,15 +146,19 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
         plan(cfg.draft_length, cfg.draft_cutoff, cfg.proposer, dc.family.LABEL, dc.family.lengths(dc))
     except DFlashError as e:
         raise ConfigError(str(e)) from None
+    check_emit(cfg, dc)  # emit: [vllm, sglang] that cannot serve this drafter is refused before any stage runs
+    if cfg.backend == "trtllm-pytorch":  # drafters / layouts TensorRT-LLM cannot run, before any stage runs
+        check_trtllm(cfg, tc, dc)
+    check_expert_parallel(cfg, tc)
     if cfg.max_seq_len > getattr(tc, "max_position_embeddings", cfg.max_seq_len):
         raise ConfigError(
             f"max_seq_len={cfg.max_seq_len}: above the target's max_position_embeddings="
             f"{tc.max_position_embeddings}; lower it"
         )
     _tokenizer_ok(dirs["tokenizer"])
-    if cfg.backend != "torch" and cfg.tp_size > 1:
-        _check_tp(_shape(tc), cfg.tp_size)
-        _check_tp(_shape(dc.to_json_dict()), cfg.tp_size)
+    if cfg.tp_size > 1:  # the engines that run tp_size > 1 (TensorRT-LLM, vLLM, SGLang) shard heads and MLPs
+        for name, c in (("target", tc), ("drafter", dc)):
+            check_tp(name, c, cfg.tp_size)
     if "nvfp4" in (cfg.target_quant, cfg.drafter_quant):
         for name, c in (("target", tc), ("drafter", dc)):
             if c.hidden_size % 16 or c.intermediate_size % 16:

@@ -71,7 +71,11 @@ def register(main: click.Group) -> None:
     def build(ctx, config_path, out, force, **fields):
         """Build target + drafter into engines and a Triton model repository.
 
-        Stages: check, quantize, convert, engine, repo, emit, eval (see README, "Build").
+        Stages: check, quantize, engine, repo, emit, eval (see README, "Build").
+        Backends: torch (engine/ folders for dflash-trt's own engine + a Triton Python-backend model
+        repository; CPU or CUDA, every drafter family) | trtllm-pytorch (model.yaml for TensorRT-LLM
+        >= 1.3's PyTorch backend + a Triton llmapi model repository; GPU hosts). emit: vllm, sglang
+        writes their serving commands and the drafter copy each loads.
         `dflash-trt build --config build.yaml --out DIR` runs them all; `dflash-trt build STAGE ...`
         runs one stage and the stages it needs. Unchanged stages of an earlier build in DIR are
         reused; --force rebuilds them.
@@ -82,10 +86,9 @@ def register(main: click.Group) -> None:
     docs = {
         "check": "Verify target, drafter and tokenizer fit; print params, memory and KV-cache size.",
         "quantize": "FP8 / NVFP4 checkpoints (Model Optimizer HF layout) with calibrated activation scales.",
-        "convert": "TensorRT-LLM 1.2 checkpoints of both models (backend tensorrt-llm).",
-        "engine": "The engine folder of the chosen backend.",
+        "engine": "torch: engine/ with target, drafter, tokenizer; trtllm-pytorch: engine/model.yaml + drafter.",
         "repo": "The filled Triton model repository.",
-        "emit": "Serving command lines for vLLM / SGLang (--emit vllm,sglang).",
+        "emit": "vLLM / SGLang serving commands and drafter copies (--emit vllm,sglang).",
         "eval": "tau and greedy agreement of the quantized pair against bf16 on held-out prompts.",
     }
 

@@ -1,7 +1,8 @@
 """Save and load a quantised Hugging Face checkpoint folder in modelopt's export layout.
 
 Boundary: files only (safetensors + JSON), written atomically. A folder holds
-  model.safetensors      the quantised state dict (names/dtypes/shapes of quantize.py's docstring)
+  model.safetensors      the quantised state dict (names/dtypes/shapes of quantize.py's docstring,
+                          k_scale / v_scale of every attention layer with an FP8 KV cache)
   hf_quant_config.json   {"producer": {...}, "quantization": {"quant_algo", "kv_cache_quant_algo",
                           "group_size" (NVFP4), "exclude_modules"}}
   config.json            the model's config (HF or z-lab drafter layout) plus `quantization_config`
@@ -20,7 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trt.atomic import atomic_dir
-from dflash_trt.deploy.quantize import STATIC_ACT, hf_quantization_config, quantized_modules
+from dflash_trt.deploy.quantize import (
+    STATIC_ACT,
+    attention_modules,
+    hf_quantization_config,
+    kv_scale_names,
+    quantized_modules,
+)
 from dflash_trt.errors import CheckpointError, ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -61,9 +68,11 @@ def save_quantized_checkpoint(
     require_input_scales: bool = True,
 ) -> Path:
     """Write qstate + hf_quant_config.json + config.json (with quantization_config) to `folder`.
-    require_input_scales: refuse FP8/NVFP4 checkpoints without activation scales, since modelopt
-    consumers (TensorRT-LLM, vLLM) need them; pass False for simulation-only checkpoints."""
+    require_input_scales: refuse FP8/NVFP4 checkpoints without activation scales, and an FP8 KV cache
+    without k/v scales, since modelopt consumers (TensorRT-LLM, vLLM) need them (else they fall back
+    to scale 1.0); pass False for simulation-only checkpoints."""
     algo = hf_quant_config.get("quantization", {}).get("quant_algo")
+    kv_algo = hf_quant_config.get("quantization", {}).get("kv_cache_quant_algo")
     mods = quantized_modules(qstate)
     if algo is not None and not mods:
         raise ConfigError(
@@ -76,6 +85,14 @@ def save_quantized_checkpoint(
             raise ConfigError(
                 f"{missing[0]}.input_scale missing ({len(missing)} layers): {algo} needs calibrated "
                 f"activation scales; pass act_amax=calibrate_act_amax(...) to quantize_state_dict "
+                f"(or require_input_scales=False for a simulation-only checkpoint)"
+            )
+    if require_input_scales and kv_algo == "FP8":
+        missing = [n for a in attention_modules(qstate) for n in kv_scale_names(a) if n not in qstate]
+        if missing:
+            raise ConfigError(
+                f"{missing[0]} missing ({len(missing)} tensors): kv_cache_quant_algo=FP8 needs calibrated "
+                f"KV-cache scales; pass kv_amax=calibrate_amax(..., kv=True)[1] to quantize_state_dict "
                 f"(or require_input_scales=False for a simulation-only checkpoint)"
             )
     cfg = _config_dict(config)

@@ -4,7 +4,7 @@ Boundary: state-dict level. Decides which tensors are quantised (the Linear weig
 layers: q/k/v/o_proj, gate/up/down_proj, and the DFlash drafter's `fc`; norms, embeddings and
 lm_head stay in high precision), computes scales with the number formats of formats.py, writes the
 modelopt tensor names and hf_quant_config.json content, and dequantises for the CPU simulation
-path. Also: activation-amax calibration hooks and the GPU-generation check. File I/O lives in
+path. Also: activation and K/V amax calibration hooks and the GPU-generation checks. File I/O in
 hf_checkpoint.py, which builds on this module.
 
 Layout per quantised linear `<m>` (modelopt unified HF export):
@@ -14,11 +14,16 @@ Layout per quantised linear `<m>` (modelopt unified HF export):
                              <m>.weight_scale_2 f32 [], <m>.input_scale f32 []
 Like modelopt's fusion preprocessing, layers that TensorRT-LLM fuses (q|k|v, and gate|up) share
 their input_scale and their per-tensor weight scale (FP8 weight_scale, NVFP4 weight_scale_2).
+FP8 KV cache (kv_cache_quant_algo FP8), per attention layer `<a>` = `<prefix>layers.<i>.self_attn`:
+  <a>.k_proj.k_scale f32 [], <a>.v_proj.v_scale f32 [] = max |K| / 448, max |V| / 448 over the
+  calibration forwards, K after k_norm and RoPE (the tensors the cache holds), as modelopt's HF
+  export writes its k/v_bmm_quantizer amax (torch/export/quant_utils.py _KV_CACHE_REPLACEMENTS).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 
@@ -41,6 +46,8 @@ _QUANTIZABLE = re.compile(
     r"^(?:(?P<layer>(?:.*\.)?layers\.\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)" r"|(?:.*\.)?fc)$"
 )
 _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+_ATTENTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn$")  # layers whose K/V go to the KV cache
+_KV_ATTN = "dflash_trt_kv_calibration"  # transformers attention implementation used while calibrating
 
 
 def algo_of(fmt: str | None) -> str | None:
@@ -64,6 +71,28 @@ def check_quant_target(fmt: str | None, sm: str, kv_cache: str | None = None) ->
         )
     if kv_cache is not None and str(kv_cache).lower() not in ("none", "fp8"):
         raise ConfigError(f"quantization.kv_cache={kv_cache}: unknown; use none or fp8")
+
+
+def check_kv_cache(target_fmt: str | None, kv_cache: str | None) -> None:
+    """An fp8 KV cache needs a quantised target: its calibrated k/v scales ship inside the Model
+    Optimizer checkpoint, and a KV-only one (quant_algo null) is refused by vLLM and SGLang, so a
+    bf16 target's fp8 cache would run at the engines' uncalibrated default scale 1.0."""
+    if kv_cache is not None and str(kv_cache).lower() == "fp8" and algo_of(target_fmt) is None:
+        raise ConfigError(
+            f"kv_cache=fp8 with target_quant={target_fmt}: the calibrated KV-cache scales ship in a quantised "
+            f"checkpoint; set target_quant: fp8 (or nvfp4), or kv_cache: bf16"
+        )
+
+
+def kv_scale_names(attention: str) -> tuple[str, str]:
+    """Attention module `<prefix>layers.<i>.self_attn` -> its (k_scale, v_scale) tensor names."""
+    return f"{attention}.k_proj.k_scale", f"{attention}.v_proj.v_scale"
+
+
+def attention_modules(names: Iterable[str]) -> list[str]:
+    """Attention modules of a state dict: those with a `<a>.k_proj.weight` (target and drafter alike)."""
+    suffix = ".k_proj.weight"
+    return [n[: -len(suffix)] for n in names if n.endswith(suffix) and _ATTENTION.match(n[: -len(suffix)])]
 
 
 def quantizable_modules(names: Iterable[str]) -> list[str]:
@@ -147,14 +176,17 @@ def quantize_state_dict(
     exclude: Iterable[str] = DEFAULT_EXCLUDE,
     act_amax: Mapping[str, float] | None = None,
     kv_cache: str | None = None,
+    kv_amax: Mapping[str, tuple[float, float]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Quantise the decoder-layer Linear weights of an HF (or drafter) state dict.
 
     state_dict: name -> tensor (Linear weights [out, in]); fmt: 'fp8' | 'fp8_per_channel' | 'nvfp4';
     exclude: module-name patterns kept in high precision (also listed in exclude_modules);
-    act_amax: module name -> calibrated max |input| (calibrate_act_amax); without it no input_scale
+    act_amax: module name -> calibrated max |input| (calibrate_amax); without it no input_scale
     is written (fine for dequantised simulation; TensorRT-LLM FP8/NVFP4 builds need it);
-    kv_cache: None | 'fp8' (sets kv_cache_quant_algo). Returns (qstate, hf_quant_config).
+    kv_cache: None | 'fp8' (sets kv_cache_quant_algo); kv_amax: attention module -> (max |K|,
+    max |V|) (calibrate_amax(kv=True)); with kv_cache 'fp8' it writes every attention layer's
+    k_scale / v_scale. Returns (qstate, hf_quant_config).
     """
     algo = algo_of(fmt)
     if algo is None:
@@ -192,7 +224,24 @@ def quantize_state_dict(
                 out[f"{m}.weight"], out[f"{m}.weight_scale"] = F.fp8_quantize(w, scale), scale.float()
             if in_scale is not None:
                 out[f"{m}.input_scale"] = in_scale.clone()
+    if kv_algo == "FP8" and kv_amax is not None:
+        out.update(kv_scales(attention_modules(state_dict), kv_amax))
     return out, make_hf_quant_config(algo, kv_algo, exclude)
+
+
+def kv_scales(attentions: Iterable[str], kv_amax: Mapping[str, tuple[float, float]]) -> dict[str, torch.Tensor]:
+    """{<a>.k_proj.k_scale, <a>.v_proj.v_scale: amax / 448 as float32 []} for every attention module.
+    No clamp to >= 1: modelopt's HF export divides by 448 only (its TensorRT-LLM-checkpoint path clamps)."""
+    out = {}
+    for a in attentions:
+        if a not in kv_amax:
+            raise ConfigError(
+                f"kv_amax has no entry for {a}: the calibration run never reached it; calibrate with "
+                f"calibrate_amax(..., kv=True) on prompts that run every layer"
+            )
+        for name, amax in zip(kv_scale_names(a), kv_amax[a]):
+            out[name] = F.input_scale_from_amax(float(amax), "FP8")  # a zero amax gets 1, never a 0 scale
+    return out
 
 
 def quantized_modules(qstate: Mapping[str, torch.Tensor]) -> list[str]:
@@ -217,6 +266,8 @@ def dequantize_state_dict(
         m, _, leaf = k.rpartition(".")
         if m in mods and leaf in ("weight_scale", "weight_scale_2", "input_scale"):
             continue
+        if leaf in ("k_scale", "v_scale"):  # KV-cache scales: the simulation keeps K/V in full precision
+            continue
         if m in mods and leaf == "weight":
             if v.dtype == torch.uint8:
                 if f"{m}.weight_scale_2" not in qstate:
@@ -228,18 +279,68 @@ def dequantize_state_dict(
     return out
 
 
+def _recording_sdpa(module, query, key, value, *args, **kwargs):
+    """transformers attention function while calibrating: hands the layer's K [R, H_kv, S, D] (after
+    k_norm and RoPE) and V to its recorder, as modelopt's k/v_bmm_quantizer see them
+    (torch/quantization/plugins/huggingface.py _QuantAttention), then runs SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    record = getattr(module, "_dflash_kv_record", None)
+    if record is not None:
+        record(key, value)
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+def _record_kv(model: nn.Module, record: Callable[[str, torch.Tensor, torch.Tensor], None]) -> list[Callable]:
+    """Route the K/V of every attention layer of `model` to record(name, k, v); returns the undo steps.
+    The dflash_trt drafter: its `kv` method is wrapped (both context injection and the drafted block
+    go through it). A transformers model: its layers run under an attention implementation that
+    records, then does SDPA (the sdpa mask is registered with it, so the masking is SDPA's)."""
+    undo, configs = [], {}
+    for name, mod in model.named_modules():
+        if not _ATTENTION.match(name):
+            continue
+        rec = functools.partial(record, name)
+        if callable(getattr(mod, "kv", None)):
+
+            def kv(*a, _kv=mod.kv, _rec=rec, **kw):
+                k, v = _kv(*a, **kw)
+                _rec(k, v)
+                return k, v
+
+            mod.kv = kv  # an instance attribute shadows the method until deleted
+            undo.append(functools.partial(delattr, mod, "kv"))
+        elif hasattr(getattr(mod, "config", None), "_attn_implementation"):
+            mod._dflash_kv_record = rec
+            undo.append(functools.partial(delattr, mod, "_dflash_kv_record"))
+            configs[id(mod.config)] = mod.config
+    if configs:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface.register(_KV_ATTN, _recording_sdpa)
+        AttentionMaskInterface.register(_KV_ATTN, sdpa_mask)
+        for cfg in configs.values():
+            undo.append(functools.partial(setattr, cfg, "_attn_implementation", cfg._attn_implementation))
+            cfg._attn_implementation = _KV_ATTN
+    return undo
+
+
 @torch.no_grad()
-def calibrate_act_amax(
+def calibrate_amax(
     model: nn.Module,
     run_one: Callable[[object], object],
     prompts: Iterable,
     progress: bool = True,
     only_quantizable: bool = True,
-) -> dict[str, float]:
+    kv: bool = False,
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """Run `run_one(prompt)` (which runs `model` on one calibration prompt or batch) for every prompt,
-    with forward-pre-hooks on the model's nn.Linear layers that record max |input|.
-    Returns module name -> amax, the `act_amax` of quantize_state_dict."""
+    with forward-pre-hooks on the model's nn.Linear layers that record max |input|, and with kv=True
+    the max |K| and |V| each attention layer writes to its KV cache. Returns (act_amax: module name
+    -> amax, kv_amax: attention module name -> (k amax, v amax)), quantize_state_dict's inputs."""
     amax: dict[str, float] = {}
+    kv_amax: dict[str, tuple[float, float]] = {}
     hooks = []
 
     def hook(name):
@@ -250,6 +351,11 @@ def calibrate_act_amax(
 
         return fn
 
+    def record_kv(name: str, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [R, H_kv, S, D]
+        if k.numel() and v.numel():
+            old = kv_amax.get(name, (0.0, 0.0))
+            kv_amax[name] = (max(old[0], float(k.detach().abs().amax())), max(old[1], float(v.detach().abs().amax())))
+
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and (not only_quantizable or _QUANTIZABLE.match(name)):
             hooks.append(mod.register_forward_pre_hook(hook(name)))
@@ -258,11 +364,30 @@ def calibrate_act_amax(
             "calibration: the model has no quantisable nn.Linear layers "
             "(expected names like model.layers.0.self_attn.q_proj)"
         )
+    undo = [h.remove for h in hooks]
     try:
+        if kv:
+            undo += _record_kv(model, record_kv)
+            if len(undo) == len(hooks):
+                raise ConfigError(
+                    "calibration: kv=True but the model has no attention layers named like "
+                    "model.layers.0.self_attn; calibrate without kv"
+                )
         prompts = list(prompts)
         for p in tqdm(prompts, desc="calibrating activations", disable=not progress or len(prompts) < 2):
             run_one(p)
     finally:
-        for h in hooks:
-            h.remove()
-    return amax
+        for u in reversed(undo):
+            u()
+    return amax, kv_amax
+
+
+def calibrate_act_amax(
+    model: nn.Module,
+    run_one: Callable[[object], object],
+    prompts: Iterable,
+    progress: bool = True,
+    only_quantizable: bool = True,
+) -> dict[str, float]:
+    """calibrate_amax's module name -> max |input| alone (the `act_amax` of quantize_state_dict)."""
+    return calibrate_amax(model, run_one, prompts, progress, only_quantizable)[0]

@@ -1,12 +1,12 @@
 """`run_build`: the stages in order, into a temp dir renamed into place, with a stage-level cache.
 
 Boundary: orchestration only (what each stage does is in deploy/stages.py). Guarantees:
-  * nothing is written before the preflight refusals (e.g. tensorrt-llm without TensorRT-LLM);
   * the build happens in `.OUT.build-<pid>-*` next to OUT and replaces OUT only when every stage
     succeeded: a failed or interrupted build leaves no half-written OUT, and an earlier OUT intact;
   * an earlier OUT is a cache: a stage whose key (hash of the input files, the options it reads,
     the keys of the stages it depends on, and OUT's path, which is written into files) matches
     the earlier build.json is not run again: its folder is hard-linked over. `force` rebuilds all.
+    `check` runs every time (its refusals read options its outputs do not depend on).
 OUT/build.json records inputs with sha256, package versions, options, per-stage status, time,
 key, outputs and info (the eval numbers among them).
 """
@@ -66,6 +66,21 @@ MODEL_OPTS = (
     "max_seq_len",
 )
 
+# what the engine stage and the emitted engine configs read (trtllm-pytorch model.yaml, vLLM / SGLang)
+ENGINE_OPTS = (
+    "backend",
+    "dtype",
+    "max_batch",
+    "max_seq_len",
+    "tp_size",
+    "pp_size",
+    "ep_size",
+    "kv_cache",
+    "cuda_graph_batch_sizes",
+    "attention_backend",
+    "sm",
+)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -75,10 +90,14 @@ class Stage:
     options: tuple[str, ...]  # BuildConfig fields it reads (part of its cache key)
     after: tuple[str, ...] = ()  # stages whose outputs it reads
     needed: Callable[[BuildConfig], bool] = lambda cfg: True
+    # run on every build, never reused: `check` refuses what the engine and the emitted engines cannot
+    # run, which reads more options (draft length, proposer, emit, parallelism) than its outputs do,
+    # and it is cheap (config files and safetensors headers)
+    always: bool = False
 
 
 STAGES = (
-    Stage("check", S.stage_check, ("check",), MODEL_OPTS),
+    Stage("check", S.stage_check, ("check",), MODEL_OPTS, always=True),
     Stage(
         "quantize",
         S.stage_quantize,
@@ -88,19 +107,11 @@ STAGES = (
         lambda c: c.quantized,
     ),
     Stage(
-        "convert",
-        S.stage_convert,
-        ("trtllm_ckpt",),
-        ("backend", "tp_size", "dtype", "kv_cache"),
-        ("check", "quantize"),
-        lambda c: c.backend == "tensorrt-llm",
-    ),
-    Stage(
         "engine",
         S.stage_engine,
         ("engine",),
-        ("backend", "dtype", "max_batch", "max_seq_len", "tp_size", "kv_cache", "plugins_dir"),
-        ("check", "quantize", "convert"),
+        ENGINE_OPTS,
+        ("check", "quantize"),
     ),
     Stage(
         "repo",
@@ -127,7 +138,7 @@ STAGES = (
         "emit",
         S.stage_emit,
         ("serve",),
-        ("emit", "tp_size", "max_batch", "max_seq_len", "kv_cache"),
+        ("emit", "draft_length", "target_quant", "drafter_quant", *ENGINE_OPTS),
         ("check", "quantize"),
         lambda c: bool(c.emit),
     ),
@@ -229,7 +240,6 @@ def run_build(
     """Run the build (or `only` one stage plus what it depends on) into out_dir; returns build.json."""
     out = Path(out_dir).expanduser().resolve()
     want = _selected(only)
-    S.preflight(cfg)  # refusals first: nothing may be written before them
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
         raise DFlashError(
             f"--out {out}: exists and is not a dflash-trt build folder (no {MANIFEST}); "
@@ -260,7 +270,8 @@ def run_build(
             if not st.needed(cfg):
                 rec.update(status="not needed", outputs=[])
             elif (
-                prev.get("key") == key
+                not st.always
+                and prev.get("key") == key
                 and prev.get("status") in ("ran", "cached")
                 and all((out / o).exists() for o in st.outputs)
             ):

@@ -1,7 +1,7 @@
 """The build stages, one library function each; each writes only its own folder under the build dir.
 
 Boundary: what a stage produces. Ordering, caching, the temp dir and build.json live in
-deploy/run.py; the TensorRT-LLM / vLLM / SGLang specifics in deploy/backends.py; the
+deploy/run.py; the TensorRT-LLM specifics in deploy/trtllm.py, vLLM / SGLang in deploy/emit.py; the
 quantized-vs-bf16 report in deploy/quant_eval.py; `check` in deploy/check.py; file helpers
 (write_json, copy_tree) in deploy/files.py.
 
@@ -10,10 +10,10 @@ while any path written *into* a file points at `ctx.final` (the out dir the temp
 
   check/summary.json        check        configs fit; params, memory per precision, KV-cache size
   quantized/{target,drafter} quantize    Model Optimizer HF layout (only the non-bf16 models)
-  trtllm_ckpt/{target,drafter} convert   TensorRT-LLM 1.2 checkpoints (backend tensorrt-llm)
-  engine/                   engine       torch: target/ drafter/ tokenizer/ manifest.json, ...
+  engine/                   engine       torch: target/ drafter/ tokenizer/ manifest.json;
+                                         trtllm-pytorch: model.yaml (LLM API) + drafter/
   model_repo/               repo         filled Triton model repository
-  serve/{vllm,sglang}.sh    emit         serving command lines for other engines
+  serve/{vllm,sglang}.sh    emit         serving commands + the drafter copy each engine loads
   eval/eval.json            eval         tau and greedy agreement, quantized pair vs bf16 pair
 """
 
@@ -31,14 +31,13 @@ from safetensors.torch import load_file
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.loop import generate
-from dflash_trt.deploy import backends
+from dflash_trt.deploy import emit, trtllm
 from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.check import check, print_summary
-from dflash_trt.deploy.convert import convert_drafter, convert_target
 from dflash_trt.deploy.files import copy_tree, link_or_copy, write_json
 from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
 from dflash_trt.deploy.quant_eval import evaluate_quantized
-from dflash_trt.deploy.quantize import calibrate_act_amax, quantize_state_dict
+from dflash_trt.deploy.quantize import calibrate_amax, quantize_state_dict
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
 from dflash_trt.train.prompts import load_prompts
 
@@ -93,8 +92,9 @@ def _calibration_ids(ctx: Context, tok) -> list[list[int]]:
 
 
 def stage_quantize(ctx: Context) -> dict:
-    """Calibrate activation amax on a few prompts, then write FP8 / NVFP4 checkpoints in Model
-    Optimizer's HF export layout (quantized/target, quantized/drafter) for the non-bf16 models."""
+    """Calibrate activation amax (and, for an fp8 KV cache, each attention layer's K/V amax) on a few
+    prompts, then write FP8 / NVFP4 checkpoints in Model Optimizer's HF export layout
+    (quantized/target, quantized/drafter) for the non-bf16 models."""
     cfg = ctx.cfg
     kv = None if cfg.kv_cache == "bf16" else cfg.kv_cache
     target, _ = load_target(
@@ -108,19 +108,23 @@ def stage_quantize(ctx: Context) -> dict:
         if fmt == "bf16":
             continue
         if which == "target":  # prefill forwards of the HF model: module names = state-dict names
-            amax = calibrate_act_amax(target.hf, lambda p: target.hf(torch.tensor([p])), ids, progress=ctx.progress)
-        else:  # the drafter sees target features only inside real DFlash decoding
-            amax = calibrate_act_amax(
+            amax, kv_amax = calibrate_amax(
+                target.hf, lambda p: target.hf(torch.tensor([p])), ids, progress=ctx.progress, kv=kv == "fp8"
+            )
+        else:  # the drafter sees target features only inside real DFlash decoding; kernels="torch": the
+            # Triton path computes context K/V inside one kernel, past the k_proj / v_proj / kv() hooks
+            amax, kv_amax = calibrate_amax(
                 drafter,
-                lambda p: generate(target, drafter, [p], SamplingParams(max_new_tokens=8)),
+                lambda p: generate(target, drafter, [p], SamplingParams(max_new_tokens=8), kernels="torch"),
                 ids,
                 progress=ctx.progress,
+                kv=kv == "fp8",
             )
         src = ctx.dirs[which]
         state = {}
         for f in sorted(src.glob("*.safetensors")):
             state.update(load_file(str(f)))
-        qstate, hf_qc = quantize_state_dict(state, fmt, act_amax=amax, kv_cache=kv)
+        qstate, hf_qc = quantize_state_dict(state, fmt, act_amax=amax, kv_cache=kv, kv_amax=kv_amax)
         dst = ctx.work / "quantized" / which
         config = json.loads((src / "config.json").read_text())
         save_quantized_checkpoint(dst, qstate, hf_qc, config=config)
@@ -133,28 +137,10 @@ def stage_quantize(ctx: Context) -> dict:
             "quantized_linears": n,
             "calibration_prompts": len(ids),
             "kv_cache_quant_algo": hf_qc["quantization"]["kv_cache_quant_algo"],
+            "kv_scales": sum(1 for k in qstate if k.endswith((".k_scale", ".v_scale"))),
         }
-        ctx.echo(f"quantize: {which} -> {fmt} ({n} linear layers, {len(ids)} calibration prompts)")
-    return out
-
-
-# ---- convert (tensorrt-llm) --------------------------------------------------------------------
-def trtllm_dtype(cfg: BuildConfig) -> str:
-    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
-
-
-def stage_convert(ctx: Context) -> dict:
-    """TensorRT-LLM 1.2 checkpoints (config.json + rank{N}.safetensors) of both models."""
-    cfg, kv = ctx.cfg, (None if ctx.cfg.kv_cache == "bf16" else ctx.cfg.kv_cache)
-    out = {}
-    for which, fn in (("target", convert_target), ("drafter", convert_drafter)):
-        dst = ctx.work / "trtllm_ckpt" / which
-        fn(str(ctx.model_dir(which)), dst, tp_size=cfg.tp_size, dtype=trtllm_dtype(cfg), kv_cache=kv)
-        out[which] = {
-            "ranks": cfg.tp_size,
-            "architecture": json.loads((dst / "config.json").read_text())["architecture"],
-        }
-    ctx.echo(f"convert: TensorRT-LLM checkpoints, tp_size={cfg.tp_size}, dtype {trtllm_dtype(cfg)}")
+        kv_note = f", fp8 KV-cache scales of {out[which]['kv_scales'] // 2} attention layers" if kv == "fp8" else ""
+        ctx.echo(f"quantize: {which} -> {fmt} ({n} linear layers, {len(ids)} calibration prompts{kv_note})")
     return out
 
 
@@ -199,20 +185,19 @@ def _torch_engine(ctx: Context) -> dict:
 def stage_engine(ctx: Context) -> dict:
     if ctx.cfg.backend == "torch":
         return _torch_engine(ctx)
-    if ctx.cfg.backend == "tensorrt-llm":
-        return backends.build_trtllm_engines(ctx)
-    return backends.write_llmapi_engine(ctx)
+    return trtllm.write_llmapi_engine(ctx)
 
 
 # ---- repo -----------------------------------------------------------------------------------------
-STREAMING_MODELS = ("dflash_bls", "ensemble")  # decoupled entry points, dropped when decoupled: false
+# decoupled-only entry points, dropped when decoupled: false (which makes `dflash`, and so the ensemble, unary)
+STREAMING_MODELS = ("dflash_bls",)
 
 
 def stage_repo(ctx: Context) -> dict:
     """Fill the model_repo templates with this build's engine paths (pointing into the final out dir)."""
     cfg = ctx.cfg
     if cfg.backend == "trtllm-pytorch":
-        return backends.write_llmapi_repo(ctx)
+        return trtllm.write_llmapi_repo(ctx)
     eng = ctx.final / "engine"
     values = default_values(
         eng / "target",
@@ -229,6 +214,7 @@ def stage_repo(ctx: Context) -> dict:
         draft_length=cfg.draft_length,
         proposer=cfg.proposer,
         max_queue=cfg.max_queue,
+        decoupled=cfg.decoupled,
         apply_chat_template=cfg.chat,
         chat_template_from=ctx.dirs["tokenizer"],
     )
@@ -237,24 +223,13 @@ def stage_repo(ctx: Context) -> dict:
         for name in STREAMING_MODELS:
             shutil.rmtree(repo / name, ignore_errors=True)
     models = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
-    if cfg.backend == "tensorrt-llm":
-        ctx.echo(
-            "repo: note: the dflash Python model serves the torch engine only; the TensorRT-LLM engines "
-            "are recorded for a TensorRT-LLM-capable serving build"
-        )
     ctx.echo(f"repo: {len(models)} models ({', '.join(models)})")
     return {"models": models}
 
 
 def stage_emit(ctx: Context) -> dict:
-    return backends.emit_commands(ctx)
+    return emit.emit_commands(ctx)
 
 
 def stage_eval(ctx: Context) -> dict:
     return evaluate_quantized(ctx)
-
-
-def preflight(cfg: BuildConfig) -> None:
-    """Refusals that must happen before anything is written (missing TensorRT-LLM / GPU)."""
-    if cfg.backend == "tensorrt-llm":
-        backends.trtllm_preflight(cfg)

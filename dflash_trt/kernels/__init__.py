@@ -1,4 +1,4 @@
-"""Triton kernels for the DFlash drafter hot path, their PyTorch references, AOT and TRT plugins.
+"""Triton kernels for the DFlash drafter hot path, their PyTorch references and AOT compile.
 
 Boundary: importing this package needs only torch. Triton is imported lazily, when a launcher
 is first used, so CPU-only installs without the `kernels` extra still import dflash_trt.
@@ -8,17 +8,14 @@ is first used, so CPU-only installs without the `kernels` extra still import dfl
   greedy_accept(...)           (accept.py) greedy verification (argmax or logits input)
   rejection_accept(...)        (accept.py) lossless speculative sampling verification
   reference.*                  plain-PyTorch definitions the kernels are tested against
-  aot.compile_all(...)         cubin + PTX + manifest.json for sm_90 / sm_100 / sm_120
-  trt_plugins.register_plugins()   TensorRT quickly-deployable AOT plugins (NGC container only)
+  aot.compile_all(...)         cubin + PTX + manifest.json for sm_90 / sm_100 / sm_120 (no GPU needed)
 
 kernels_available() says whether the launchers can run here: Triton importable and either a
 CUDA device or TRITON_INTERPRET=1 (Triton's CPU interpreter, used by the tests).
 
 Kernel calling convention (all kernels): tensor inputs first, then int32 scalars (shape
-numbers), then tensor outputs, then tl.constexpr specialisation knobs. This is the order
-TensorRT's AOT quickly-deployable plugins launch a kernel in (inputs, extra int args,
-outputs), so the same compiled PTX serves both the Python launchers and the engine.
-All tensors are contiguous (TensorRT passes linear tensors); strides are derived in-kernel.
+numbers), then tensor outputs, then tl.constexpr specialisation knobs, so one AOT signature
+(aot.py) describes every launch. All tensors are contiguous; strides are derived in-kernel.
 The small helpers the launchers share (argument checks and packing) live in launching.py.
 """
 

@@ -10,10 +10,11 @@ Output layout (written to a temp dir next to out_dir, then renamed into place):
   out_dir/manifest.json             one entry per (spec, arch): kernel, entry symbol, signature,
                                     constexprs, arch, num_warps, shared mem, scratch, files+sha256
   out_dir/<arch>/<spec>.ptx|.cubin  Triton's output
-  out_dir/<arch>/<spec>.trt.ptx     the PTX TensorRT's AOT plugins launch: Triton appends unused
-                                    global/profile scratch pointers to every entry, which TensorRT
-                                    (launching inputs, int32 extras, outputs) never passes, so they
-                                    are dropped from the entry signature (see strip_scratch_params)
+
+What it is for: proving on a CPU-only machine (CI, an image build) that every kernel
+specialisation the PyTorch engine launches on Hopper / Blackwell compiles for those archs, and
+shipping the compiled files with a checksummed manifest. The engine itself JIT-compiles through
+Triton's cache at first use; nothing loads these files at run time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import hashlib
 import importlib
 import json
 import os
-import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -150,7 +150,7 @@ def rejection_spec(prob_dtype: str = "fp32") -> KernelSpec:
 
 
 def default_specs() -> list[KernelSpec]:
-    """The fixed set `dflash-trt plugins compile` ships: 16-bit models at head_dim 64/128,
+    """The fixed set `dflash-trt kernels compile` builds: 16-bit models at head_dim 64/128,
     contiguous and paged caches, fp8 caches for bf16 models, block size up to 16."""
     specs = []
     for dt in ("bf16", "fp16"):
@@ -217,28 +217,8 @@ def _worker_init() -> None:
     os.environ["TRITON_INTERPRET"] = "0"
 
 
-def strip_scratch_params(ptx: str, entry: str, n_args: int) -> str:
-    """PTX whose `.entry <entry>` takes exactly its first n_args parameters.
-
-    Triton (>= 3.3) appends global_scratch and profile_scratch pointers after the kernel's own
-    arguments; a kernel that uses no scratch never reads them. Raises ValueError if a dropped
-    parameter is referenced in the body or the entry has fewer than n_args parameters.
-    """
-    m = re.search(r"\.entry " + re.escape(entry) + r"\(\n(.*?)\n\)", ptx, re.S)
-    if m is None:
-        raise ValueError(f"no .entry {entry}( ... ) in the PTX")
-    params = m.group(1).split(",\n")
-    if len(params) < n_args:
-        raise ValueError(f"{entry} has {len(params)} PTX parameters, expected at least {n_args}")
-    for p in params[n_args:]:
-        name = p.split()[-1]
-        if re.search(r"\b" + re.escape(name) + r"\b", ptx[m.end() :]):
-            raise ValueError(f"{entry}: trailing parameter {name} is used; cannot drop it")
-    return ptx[: m.start(1)] + ",\n".join(params[:n_args]) + ptx[m.end(1) :]
-
-
 def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
-    """Worker: compile, write <root>/<arch>/<spec>.{ptx,cubin,trt.ptx}, return the manifest entry."""
+    """Worker: compile, write <root>/<arch>/<spec>.{ptx,cubin}, return the manifest entry."""
     try:
         ck = compile_spec(spec, arch)
     except KernelCompileError:
@@ -246,12 +226,8 @@ def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
     except Exception as e:  # Triton raises CompilationError, RuntimeError (ptxas), ...
         raise KernelCompileError(f"{spec.name} failed to compile for {arch}: {type(e).__name__}: {e}") from None
     md = ck.metadata
-    try:
-        trt_ptx = strip_scratch_params(ck.asm["ptx"], md.name, len(spec.types)).encode()
-    except ValueError as e:
-        raise KernelCompileError(f"{spec.name} for {arch}: {e}") from None
     files = {}
-    for ext, data in (("ptx", ck.asm["ptx"].encode()), ("cubin", bytes(ck.asm["cubin"])), ("trt.ptx", trt_ptx)):
+    for ext, data in (("ptx", ck.asm["ptx"].encode()), ("cubin", bytes(ck.asm["cubin"]))):
         rel = f"{arch}/{spec.name}.{ext}"
         Path(root, rel).write_bytes(data)
         files[ext] = {"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
@@ -275,7 +251,7 @@ def _compile_to_files(spec: KernelSpec, arch: str, root: str) -> dict:
 
 def compile_all(
     archs=ARCHS,
-    out_dir: str | os.PathLike = "plugins/build",
+    out_dir: str | os.PathLike = "kernels_build",
     specs: list[KernelSpec] | None = None,
     jobs: int = 1,
     progress=None,

@@ -1,7 +1,7 @@
-"""`dflash-trt plugins compile` and `dflash-trt plugins list`: thin shells over kernels/aot.py.
+"""`dflash-trt kernels compile` and `dflash-trt kernels list`: thin shells over kernels/aot.py.
 
 compile: every kernel specialisation of aot.default_specs() (or the --only subset) for every
---arch, into --out (cubin + PTX + TensorRT PTX + manifest.json; written atomically, so a failed
+--arch, into --out (cubin + PTX + manifest.json; written atomically, so a failed
 compile leaves --out untouched). Needs Triton (its wheel ships ptxas), no GPU.
 list: the manifest of such a folder as a table, sha256 of every file re-checked.
 """
@@ -45,7 +45,7 @@ def select_specs(only: tuple[str, ...]):
     if not chosen:
         raise DFlashError(
             f"--only {', '.join(only)}: matches no kernel; names are e.g. "
-            f"{', '.join(s.name for s in specs[:3])} (see `dflash-trt plugins compile --list`)"
+            f"{', '.join(s.name for s in specs[:3])} (see `dflash-trt kernels compile --list`)"
         )
     return chosen
 
@@ -84,10 +84,10 @@ def _require_triton() -> None:
 
 def register(main: click.Group) -> None:
     @main.group()
-    def plugins():
-        """DFlash GPU kernels: ahead-of-time compile (cubin/PTX for TensorRT plugins), list."""
+    def kernels():
+        """DFlash GPU kernels: ahead-of-time compile for Hopper / Blackwell without a GPU, list."""
 
-    @plugins.command("compile")
+    @kernels.command("compile")
     @click.option(
         "--arch",
         "arch_text",
@@ -95,12 +95,12 @@ def register(main: click.Group) -> None:
         show_default=True,
         help="Comma-separated GPU architectures.",
     )
-    @click.option("--out", "out_dir", default="plugins/build", show_default=True, help="Output folder.")
+    @click.option("--out", "out_dir", default="kernels_build", show_default=True, help="Output folder.")
     @click.option("--only", multiple=True, help="Compile only kernels whose name contains this (repeatable).")
     @click.option("--jobs", type=int, default=None, help="Compile processes (default: CPU count).")
     @click.option("--list", "list_only", is_flag=True, help="Print the kernel names and exit.")
     @friendly_errors
-    def plugins_compile(arch_text, out_dir, only, jobs, list_only):
+    def kernels_compile(arch_text, out_dir, only, jobs, list_only):
         """Compile every DFlash kernel for each --arch into --out, with manifest.json."""
         archs = parse_archs(arch_text)
         specs = select_specs(only)
@@ -143,21 +143,21 @@ def register(main: click.Group) -> None:
         )
         click.echo(f"manifest: {path}")
 
-    @plugins.command("list")
+    @kernels.command("list")
     @click.argument("folder", type=click.Path(file_okay=False))
     @friendly_errors
-    def plugins_list(folder):
-        """Print FOLDER/manifest.json (made by `plugins compile`) as a table; checks every sha256."""
+    def kernels_list(folder):
+        """Print FOLDER/manifest.json (made by `kernels compile`) as a table; checks every sha256."""
         # deferred: rich takes ~0.1 s to import, and `dflash-trt --help` imports this module
         from rich.console import Console
 
         if not (Path(folder) / MANIFEST).is_file():
-            raise DFlashError(f"{folder}: no {MANIFEST}; make one with `dflash-trt plugins compile --out {folder}`")
+            raise DFlashError(f"{folder}: no {MANIFEST}; make one with `dflash-trt kernels compile --out {folder}`")
         try:
             manifest = load_manifest(folder)
         except (ValueError, OSError, KeyError) as e:  # sha256 mismatch, missing file, bad JSON
             msg = f"invalid JSON ({e})" if isinstance(e, json.JSONDecodeError) else str(e)
-            raise DFlashError(f"{folder}: {msg}; recompile with `dflash-trt plugins compile --out {folder}`") from None
+            raise DFlashError(f"{folder}: {msg}; recompile with `dflash-trt kernels compile --out {folder}`") from None
         title = (
             f"{folder}: {len(manifest['kernels'])} kernels, archs {', '.join(manifest['archs'])} "
             f"(Triton {manifest['triton_version']})"

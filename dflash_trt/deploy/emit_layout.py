@@ -1,0 +1,138 @@
+"""The serving copy of a drafter for vLLM / SGLang: serve/<engine>/drafter/ in the layout that engine loads.
+
+Boundary: one drafter folder in, one engine's folder out (config.json, model.safetensors and, for a
+quantized drafter, hf_quant_config.json); the command lines and the refusals are deploy/emit.py's.
+Why a copy at all: dflash-trt's own checkpoint extensions do not load as they are. vLLM 0.33 maps
+every tensor not named lm_head to `model.<name>` and refuses one with no module (`draft_vocab`:
+"There is no module or parameter named ..."), SGLang 0.5.23 skips unknown tensors silently
+(models/dflash.py DFlashDraftModel.load_weights: "Ignore unexpected weights"), and both read the
+DSpark head fields at the top level of config.json. What each engine gets (sources in the wheels):
+
+  config.json   the drafter's config as dflash-trt normalises it (defaults filled in: SGLang defaults
+                confidence_head_with_markov to markov_rank > 0, models/dspark.py:497, so it is always
+                written), plus
+                * DSpark: markov_rank, markov_head_type, enable_confidence_head,
+                  confidence_head_with_markov and sample_from_anchor also top-level (vLLM
+                  models/qwen3_dspark.py:209-224, v1/worker/gpu/spec_decode/dspark/speculator.py:49-51;
+                  SGLang models/dspark.py:385-405, 487-507);
+                * Domino on SGLang: architectures [DFlashDraftModel], dflash_config.projector_type
+                  "domino" (SGLang has no DominoDraftModel class: speculative/dflash_utils.py:727-790);
+                * a draft vocabulary: vLLM `draft_vocab_size` top-level (models/qwen3_dflash.py:745-775),
+                  SGLang none (it has no draft vocabulary; the drafter drafts over the whole vocabulary
+                  through the target's LM head, as dflash-trt's portable checkpoints do);
+                * a quantized drafter keeps `quantization_config` (both engines detect Model Optimizer
+                  checkpoints from it: vLLM config/model.py:1383-1460, SGLang configs/model_config.py:2000+).
+  tensors       the family's published names (families/*.save_keys; DSpark's legacy `logit_head.` nesting
+                removed: neither engine maps it), without `draft_vocab`; for vLLM a draft vocabulary
+                becomes EAGLE-3's representation: `lm_head.weight` = the target LM head's rows of those
+                tokens and `d2t` = token id - draft id (models/qwen3_dflash.py:851-884, compute_logits
+                806-815), since the drafter's logits ARE those rows of the shared head.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dflash_trt.config import DrafterConfig
+from dflash_trt.deploy.files import link_or_copy
+from dflash_trt.errors import CheckpointError
+
+ENGINES = ("vllm", "sglang")
+DSPARK_TOP_LEVEL = (
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "sample_from_anchor",
+)
+DROPPED = ("draft_vocab",)  # dflash-trt's own tensors; written back in the engine's form where it has one
+QUANT_FILE = "hf_quant_config.json"
+
+
+def serving_config(src: Path, engine: str) -> dict:
+    """config.json of the serving copy of the drafter in `src` for `engine` (vllm | sglang)."""
+    dc = DrafterConfig.load(src)
+    raw = json.loads((src / "config.json").read_text())
+    out = dc.to_json_dict(portable=True)  # normalised family fields; no draft_vocab_size
+    if "quantization_config" in raw:
+        out["quantization_config"] = raw["quantization_config"]
+    fam, fields = dc.family, dc.family_fields
+    if fam.NAME == "dspark":
+        out.update({k: fields[k] for k in DSPARK_TOP_LEVEL})
+    if fam.NAME == "domino" and engine == "sglang":
+        out["architectures"] = ["DFlashDraftModel"]
+        out["dflash_config"]["projector_type"] = fam.PROJECTOR_TYPE
+    if dc.draft_vocab_size is not None and engine == "vllm":
+        out["draft_vocab_size"] = dc.draft_vocab_size
+    return out
+
+
+def _state(src: Path) -> dict[str, torch.Tensor]:
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"drafter {src}: no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def target_head_rows(target: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the target's LM head (its input embedding when the two are tied), read from the
+    safetensors of `target` one tensor at a time (a target's shards are never loaded whole)."""
+    names: dict[str, Path] = {}
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            names.update({k: f for k in fh.keys()})
+    for suffix in ("lm_head.weight", "embed_tokens.weight"):
+        hits = sorted((k for k in names if k == suffix or k.endswith("." + suffix)), key=len)
+        if hits:
+            with safe_open(str(names[hits[0]]), framework="pt") as fh:
+                return fh.get_tensor(hits[0]).index_select(0, ids).contiguous()
+    raise CheckpointError(f"target {target}: no lm_head.weight or embed_tokens.weight tensor for the draft vocabulary")
+
+
+def serving_state(src: Path, engine: str, target: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the serving copy (see the module docstring)."""
+    dc = DrafterConfig.load(src)
+    fam = dc.family
+    state = fam.save_keys(fam.load_keys(_state(src)))
+    vocab = state.get("draft_vocab")
+    state = {k: v.contiguous() for k, v in state.items() if k not in DROPPED}
+    if vocab is not None and engine == "vllm":
+        ids = vocab.to(torch.int64)
+        state["lm_head.weight"] = target_head_rows(target, ids)
+        state["d2t"] = ids - torch.arange(len(ids), dtype=torch.int64)  # vLLM: target id = draft id + d2t
+    return state
+
+
+def write_serving_drafter(src: Path, dst: Path, engine: str, target: Path) -> dict:
+    """Write dst/ (config.json, model.safetensors[, hf_quant_config.json]) for `engine`; returns what
+    changed relative to the source, for the build log and build.json."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    dst.mkdir(parents=True, exist_ok=True)
+    original = set()
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            original.update(fh.keys())
+    state = serving_state(src, engine, target)
+    files = sorted(src.glob("*.safetensors"))
+    if set(state) == original and len(files) == 1:
+        link_or_copy(files[0], dst / "model.safetensors")  # nothing to rename: hard-link the weights
+    else:
+        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(serving_config(src, engine), indent=2, sort_keys=True) + "\n")
+    if (src / QUANT_FILE).is_file():
+        shutil.copyfile(src / QUANT_FILE, dst / QUANT_FILE)
+    return {
+        "dropped": sorted(original - set(state)),
+        "added": sorted(set(state) - original),
+        "tensors": len(state),
+    }
