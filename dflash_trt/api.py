@@ -247,7 +247,7 @@ def run_generate(
     proposer: str = "dflash",
 ) -> Comparison:
     """DFlash generation (and optionally the autoregressive baseline, measured right after).
-    proposer: "dflash" | "ngram" | "hybrid", where the drafts come from (decoding/engine.py PROPOSERS)."""
+    proposer: "dflash" | "ngram" | "hybrid" | "tree", where the drafts come from (decoding/engine.py PROPOSERS)."""
     out = generate(
         target,
         drafter,

@@ -6,6 +6,7 @@ Errors the user can act on (DFlashError) print one line and exit 2, never a trac
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 
@@ -79,6 +80,12 @@ def models_list():
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option(
+    "--repetition-penalty", default=1.0, show_default=True, type=float, help="Prompt + output tokens (1 = off)."
+)
+@click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Output tokens (0 = off).")
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Output tokens (0 = off).")
+@click.option("--min-tokens", default=0, show_default=True, type=int, help="No stop token before this many.")
 @click.option("--block-size", default=None, type=int, help="Draft block size (default: the drafter's).")
 @click.option("--seed", default=None, type=int)
 @dtype_device_options("auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
@@ -119,6 +126,10 @@ def generate(
     top_p,
     top_k,
     max_new_tokens,
+    repetition_penalty,
+    presence_penalty,
+    frequency_penalty,
+    min_tokens,
     block_size,
     seed,
     dtype,
@@ -133,20 +144,24 @@ def generate(
 ):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
     length_source(draft_length, draft_cutoff, "--draft-length")  # before any model loads
+    params = SamplingParams(  # validated here, before any model loads; the stop ids come with the tokenizer
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
+    )
     if not drafter_dir and not random_drafter:
         load_drafter(None, None)  # raises the "how to get a drafter" message before any download
     tgt, path = load_target(target, dtype, progress=not as_json, device=device)
     drafter = load_drafter(tgt, drafter_dir, block_size, random_init=random_drafter)
     tok = load_tokenizer(path)
     ids = encode(tok, prompt, chat)
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        stop_token_ids=stop_ids(tok),
-    )
+    params = dataclasses.replace(params, stop_token_ids=stop_ids(tok))
     res = run_generate(
         tgt,
         drafter,

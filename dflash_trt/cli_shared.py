@@ -34,7 +34,8 @@ DRAFT_LENGTH_HELP = (
 PROPOSER_HELP = (
     "Where the drafts come from: dflash = the drafter's block; ngram = the continuation copied from the "
     "row's own text (prompt + output; the drafter is not run); hybrid = per round, the copy when it is "
-    "expected to get more drafts accepted than the drafter's block. All lossless."
+    "expected to get more drafts accepted than the drafter's block; tree = both verified in one target pass "
+    "(a tree mask), the branch with more accepted tokens kept. All lossless."
 )
 
 

@@ -31,7 +31,19 @@ from dflash_trt.errors import CheckpointError, ConfigError
 class SamplingParams:
     """How tokens are chosen. temperature below GREEDY_TEMPERATURE (0 included) means greedy (and
     exact output equality): dividing logits by a tinier temperature overflows to inf/NaN, and
-    sampling at such a temperature is numerically the argmax anyway (vLLM's _SAMPLING_EPS)."""
+    sampling at such a temperature is numerically the argmax anyway (vLLM's _SAMPLING_EPS).
+
+    Logit controls (vLLM's definitions, which TensorRT-LLM's penalty kernels match), applied to the
+    target's logits before temperature / top-k / top-p, in this order (decoding/penalties.py):
+      bad_words_ids       a word's last token gets -inf where the context ends with the word's other
+                          tokens (a one-token word is always banned)
+      min_tokens          the stop tokens (stop_token_ids, and EOS unless ignore_eos) get -inf while
+                          fewer than min_tokens tokens have been generated
+      repetition_penalty  tokens of the prompt or the output: logit / r if logit > 0, else logit * r
+      frequency_penalty   logit -= f * (times the token occurs in the output)
+      presence_penalty    logit -= p * (1 if the token occurs in the output)
+    Speculative decoding stays lossless: verification applies them at every block position with the
+    context up to that position (decoding/penalties.py), the drafter's proposals are not penalised."""
 
     GREEDY_TEMPERATURE = 1e-5  # class constant, not a field: temperature < this decodes greedily
 
@@ -42,6 +54,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (EOS is added by the loop)
     seed: int | None = None  # seeds the sampler; same seed, same output
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    repetition_penalty: float = 1.0  # > 0; prompt + output tokens: logit / r if > 0 else logit * r (1 = off)
+    presence_penalty: float = 0.0  # logit -= p for tokens already in the output (0 = off)
+    frequency_penalty: float = 0.0  # logit -= f * the token's count in the output (0 = off)
+    min_tokens: int = 0  # stop tokens / EOS cannot be generated before this many output tokens (0 = off)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token-id words never generated (last token banned)
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -56,6 +73,46 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        from numbers import Integral, Real  # numpy scalars (Triton inputs) are registered as these
+
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r) or r <= 0:
+            raise ConfigError(f"repetition_penalty={r!r}: must be a finite number > 0 (1 disables it)")
+        self.repetition_penalty = float(r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
+                raise ConfigError(f"{name}={v!r}: must be a finite number (0 disables it)")
+            setattr(self, name, float(v))
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, Integral) or not 0 <= m <= self.max_new_tokens:
+            raise ConfigError(
+                f"min_tokens={m!r}: must be an integer in 0..max_new_tokens={self.max_new_tokens} (0 disables it)"
+            )
+        self.min_tokens = int(m)
+        try:
+            words = tuple(tuple(int(t) for t in w) for w in self.bad_words_ids)
+        except (TypeError, ValueError):
+            words = ((),)  # not a list of lists of ints: refused below
+        if any(not w or min(w) < 0 for w in words):
+            raise ConfigError(
+                f"bad_words_ids={self.bad_words_ids!r}: every word must be a non-empty list of token ids >= 0"
+            )
+        self.bad_words_ids = words
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Any of the penalties / min_tokens / bad_words set (else the logits are used as they are)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.min_tokens
+            or self.bad_words_ids
+        )
 
     @property
     def greedy(self) -> bool:

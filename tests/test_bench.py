@@ -283,7 +283,7 @@ def test_bench_config_validation():
         BenchConfig(target="x", draft_cutoff=1.0)
     with pytest.raises(DFlashError, match="proposer='suffix': choose one of dflash, ngram, hybrid"):
         BenchConfig(target="x", proposer="suffix")
-    assert {"ngram", "hybrid"} <= set(METHODS)
+    assert {"ngram", "hybrid", "tree"} <= set(METHODS)
 
 
 def test_bench_draft_cutoff_is_used_and_recorded(setup, tmp_path):

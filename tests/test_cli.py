@@ -61,6 +61,16 @@ def test_generate_with_draft_cutoff_matches_baseline(pair):
     assert res["stats"]["num_draft_tokens"] == 0 and res["stats"]["tau"] == 1.0
 
 
+def test_generate_with_penalties_matches_the_penalised_baseline(pair):
+    """The penalties change the output (against plain greedy) and DFlash still equals the target alone
+    under the same penalties (decoding/penalties.py applies them per verify-block position)."""
+    plain = generate_vs_baseline(pair, "--no-chat")
+    res = generate_vs_baseline(pair, "--no-chat", "--repetition-penalty", 2.0, "--frequency-penalty", 1.5)
+    assert res["tokens"] != plain["tokens"]
+    r = generate(pair, "--prompt", "hi", "--min-tokens", 999)
+    assert r.exit_code != 0 and r.output.count("\n") == 1 and "min_tokens" in r.output, r.output
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "hybrid"])
 def test_generate_with_proposer_matches_baseline(pair, proposer):
     """--proposer ngram / hybrid: the same greedy output as the target alone, the drafts' sources in the stats

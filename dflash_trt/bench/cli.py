@@ -61,13 +61,13 @@ def _names(value: str) -> list[str]:
     "--methods",
     default=",".join(DEFAULT_METHODS),
     show_default=True,
-    help="Comma-separated. dflash / ngram / hybrid: our engine with that proposer (see --proposer).",
+    help="Comma-separated. dflash / ngram / hybrid / tree: our engine with that proposer (see --proposer).",
 )
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
 @click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
 @draft_length_option(DRAFT_LENGTHS, help_prefix="dflash, hybrid, dflash-triton: ")
 @proposer_option(
-    PROPOSERS, help_prefix="dflash-triton (the served engine's; in-process, the methods dflash, ngram, hybrid): "
+    PROPOSERS, help_prefix="dflash-triton (the served engine's; in-process, the methods dflash, ngram, hybrid, tree): "
 )
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
 @dtype_device_options("auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")

@@ -11,6 +11,7 @@ its speculation. No aggregation, no output files (report.py), no scheduling (run
   dflash            our DFlash speculative decoding in-process (`spec.loop.generate`)
   ngram             our engine, drafts copied from the row's own text (proposer=ngram; drafter not run)
   hybrid            our engine, per row and round the copy or the drafter's block (proposer=hybrid)
+  tree              our engine, the copy and the drafter's block verified together in one pass (proposer=tree)
   dflash-triton     ours through a Triton server over gRPC (`serving.client.DFlashClient`)
 
 Every method reports the same `Run`: output tokens (or text for the server), time to first
@@ -180,6 +181,14 @@ class Hybrid(DFlash):
 
     name = "hybrid"
     proposer = "hybrid"
+
+
+@register
+class Tree(DFlash):
+    """Our engine verifying the copied continuation and the drafter's block in one tree-masked target pass."""
+
+    name = "tree"
+    proposer = "tree"
 
 
 # ---- Hugging Face generate() -----------------------------------------------------------------

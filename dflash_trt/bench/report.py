@@ -14,7 +14,7 @@ Definitions (per dataset and method, summed over prompts):
   predicted         drafters with a confidence head (DSpark): its mean predicted P(accept i)
                     (predicted_per_position) and the tau it implies (predicted_tau), beside the
                     measured ones (decoding/stats.py); None for every other method
-  sources           ours (dflash, ngram, hybrid, dflash-triton): decode passes, drafts judged and drafts
+  sources           ours (dflash, ngram, hybrid, tree, dflash-triton): decode passes, drafts judged and drafts
                     accepted per draft source, "drafter" or "copied" from the prompt's own text
                     (decoding/stats.py DecodeStats.sources); the table shows accepted/drafts of each
   draft/verify      seconds per decode pass drafting / in the target's verify forward

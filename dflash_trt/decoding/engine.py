@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.decoding import hybrid, proposal
+from dflash_trt.decoding import hybrid, penalties, proposal, tree
 from dflash_trt.decoding import verify_cost as verify_costs
 from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
 from dflash_trt.decoding.hybrid import NgramRecord
@@ -30,7 +30,7 @@ from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.decoding.proposal import Proposal
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule
-from dflash_trt.decoding.verify import Verdict, sample_tokens, warp_logits
+from dflash_trt.decoding.verify import Verdict, accept_rows, sample_tokens, warp_logits
 from dflash_trt.decoding.verify_cost import VerifyCost
 from dflash_trt.errors import DFlashError
 from dflash_trt.families import dflash
@@ -63,6 +63,7 @@ class _Request:
     finish_reason: str | None = None
     index: SuffixIndex | None = None  # proposer=hybrid: the row's text (prompt + output) for copied drafts
     ngram: NgramRecord | None = None  # proposer=hybrid: how the copied drafts fared
+    pen: penalties.PenaltyState | None = None  # its logit controls' counts (None: it sets none)
 
 
 class SpecEngine:
@@ -90,7 +91,8 @@ class SpecEngine:
         (the drafter's learned acceptance head, DSpark's: the cutoff applies to its predictions).
         proposer: "dflash" (the drafter's block), "ngram" (the continuation copied from the row's own
         text, decoding/ngram.py; the drafter is not run) or "hybrid" (per row and round, the copy when
-        it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py).
+        it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py) or "tree"
+        (both verified in one pass as a token tree, the longer accepted branch kept; decoding/tree.py).
         verify_cost: draft_length="cost" only, the verify cost curve (default: measured here at start-up,
         decoding/verify_cost.py).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
@@ -160,12 +162,13 @@ class SpecEngine:
             gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
             rule = StopRule.for_request(params, self.eos, len(ids), self.max_seq_len)
             req = _Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids)))
+            req.pen = penalties.state_for(params, rule.stops, ids, self.target.vocab_size, self.target.device)
             if self.proposer != "dflash":
                 req.index, req.ngram = SuffixIndex(ids), NgramRecord()
             reqs.append(req)
             prompts.append(ids)
         t0 = time.perf_counter()
-        cap = self.max_seq_len + self.block_size
+        cap = self.max_seq_len + self.block_size * (2 if self.proposer == "tree" else 1)  # a tree: 2B-1 wide
         tcache, dcache = self.target.new_cache(len(items), cap), self.drafter.new_cache(len(items), cap)
         out = self.target.prefill(prompts, tcache, self.tap_layers)
         lens = tcache.lengths.clone()
@@ -224,16 +227,20 @@ class SpecEngine:
         self.draft_seconds = t1 - t0 if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * (t1 - t0)
         # rows verify together; a shorter row's extra drafts are not judged (no host sync at full width)
         width = int(n_draft.max()) + 1 if self.variable else self.block_size
-        out = self.verify(block[:, :width])
-        q = None if prop.q is None else prop.q[:, : width - 1]
-        verdict = self.accept(block[:, :width], out.logits, q, n_draft)
-        t2 = time.perf_counter()
-        self.rewind(verdict, out.taps)
+        if prop.copies is None:
+            out = self.verify(block[:, :width])
+            q = None if prop.q is None else prop.q[:, : width - 1]
+            verdict = self.accept(block[:, :width], out.logits, q, n_draft)
+            t2 = time.perf_counter()
+            self.rewind(verdict, out.taps)
+        else:  # proposer=tree: verify, accept and rewind the two-branch tree (prop becomes the kept branch)
+            verdict, t2 = tree.verify_round(self, prop), time.perf_counter()
+            block, n_draft = prop.block, prop.n_draft
         accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
         drafts = block[:, 1:].tolist()
         survival = None if prop.predicted is None else prop.predicted.float().cumprod(dim=1).tolist()
         claimed = None  # hybrid: what the drafter's probabilities expected of its verified drafts
-        if self.proposer == "hybrid" and prop.probability is not None:
+        if self.proposer in ("hybrid", "tree") and prop.probability is not None:
             claimed = prop.probability.float().cumprod(dim=1).tolist()
         for r, req in enumerate(self.reqs):
             a, copied = accepted[r], prop.copied[r]
@@ -262,7 +269,7 @@ class SpecEngine:
         if self.proposer == "ngram":
             return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V), {}, survivals)
         proposals = [NO_COPY] * R
-        if self.proposer == "hybrid":
+        if self.proposer != "dflash":
             proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
         if self._skip_drafter(proposals, survivals):
             self.drafter.inject_context(self.pending, self.pending_n, self.dcache)  # keep its context whole
@@ -283,11 +290,13 @@ class SpecEngine:
             n_draft = torch.full((R,), B - 1, dtype=torch.long, device=self.last.device)
         else:
             n_draft = draft_lengths(conf[self.length_source], self.draft_cutoff)
-        copied = [False] * R
-        if self.proposer == "hybrid":
+        copied, copies = [False] * R, None
+        if self.proposer == "tree":  # every row's copy is verified beside the block, no choice (decoding/tree.py)
+            copies = tree.branches(proposals)
+        elif self.proposer == "hybrid":
             calibrations = [r.ngram.calibration for r in self.reqs]
             copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, survivals, calibrations)
-        prop = Proposal(block, q, n_draft, conf.get("confidence"), copied, conf.get("probability"))
+        prop = Proposal(block, q, n_draft, conf.get("confidence"), copied, conf.get("probability"), copies=copies)
         return self._by_cost(prop, conf, survivals)
 
     def _skip_drafter(self, proposals, survivals) -> bool:
@@ -295,7 +304,7 @@ class SpecEngine:
         drafter has been doing (hybrid), or, with draft_length=cost, drafting has not been paying
         for itself against plain decode steps (probed every PROBE_EVERY skipped rounds)."""
         record = self.record
-        if self.proposer == "hybrid" and hybrid.copies_win(proposals, survivals, record):
+        if self.proposer != "dflash" and hybrid.copies_win(proposals, survivals, record):
             return True
         if self.length_source != "cost" or not record.rounds:
             return False
@@ -319,26 +328,11 @@ class SpecEngine:
     def accept(
         self, block: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None, n_draft: torch.Tensor
     ) -> Verdict:
-        """block [R, W], logits [R, W, V], q [R, W-1, V] or None; row r judges its first n_draft[r] drafts."""
-        ops = self.accept_ops  # decoding/verify.py, or the Triton accept kernels
-        W = block.shape[1]
-        if q is None:
-            if self.variable:  # drafts past a row's length become -1, never a token: it stops there
-                past = torch.arange(1, W, device=block.device) > n_draft[:, None]  # [R, W-1]
-                block = torch.cat([block[:, :1], block[:, 1:].masked_fill(past, -1)], dim=1)
-            return ops.greedy(block, logits)
-        accepted, bonus = [], []
-        for r, req in enumerate(self.reqs):
-            n = int(n_draft[r]) + 1
-            if req.params.greedy:
-                v = ops.greedy(block[r : r + 1, :n], logits[r : r + 1, :n])
-            else:
-                p = warp_logits(logits[r, :n], req.params)
-                u = torch.rand(self.block_size, generator=req.generator, device=logits.device)
-                v = ops.rejection(block[r : r + 1, :n], p[None], q[r : r + 1, : n - 1], u[None, : n - 1], u[-1:])
-            accepted.append(v.accepted)
-            bonus.append(v.bonus)
-        return Verdict(torch.cat(accepted), torch.cat(bonus))
+        """block [R, W], logits [R, W, V], q [R, W-1, V] or None; row r judges its first n_draft[r] drafts
+        (decoding/verify.py, or the Triton accept kernels) on its logit controls' logits (penalties.py)."""
+        logits = penalties.apply(logits, block[:, 1:], [r.pen for r in self.reqs])  # [R, W, V]
+        rows = [(r.params, r.generator) for r in self.reqs]
+        return accept_rows(self.accept_ops, block, logits, q, n_draft, rows, self.variable, self.block_size)
 
     def rewind(self, verdict: Verdict, taps: torch.Tensor) -> None:
         """Crop the target cache to the accepted prefix; queue its features for the drafter
@@ -351,7 +345,8 @@ class SpecEngine:
         self.last = verdict.bonus
 
     # ---- bookkeeping --------------------------------------------------------------------
-    def _sample(self, req: _Request, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, req: _Request, logits: torch.Tensor) -> torch.Tensor:  # [V] -> one token
+        logits = penalties.apply(logits[None, None], None, [req.pen])[0, 0]
         if req.params.greedy:
             return logits.argmax(-1)
         return sample_tokens(warp_logits(logits, req.params), req.generator)
@@ -362,6 +357,8 @@ class SpecEngine:
             return
         keep, req.finish_reason = req.rule.admit(len(req.output), tokens)
         req.output += tokens[:keep]
+        if req.pen is not None:
+            req.pen.update(tokens[:keep])
         if req.index is not None:
             req.index.extend(tokens[:keep])
         req.unsent += tokens[:keep]

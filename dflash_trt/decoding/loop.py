@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.config import SamplingParams
+from dflash_trt.decoding import penalties
 from dflash_trt.decoding.engine import SpecEngine, _eos_ids
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule
@@ -111,6 +112,9 @@ def generate_baseline(
     cap = max_seq_len or (max(len(p) for p in prompts) + params.max_new_tokens + 1)
     eos = _eos_ids(target)
     rules = [StopRule.for_request(params, eos, len(p), cap) for p in prompts]
+    pens = [
+        penalties.state_for(params, rule.stops, p, target.vocab_size, target.device) for rule, p in zip(rules, prompts)
+    ]
     gens = []
     for r in range(R):
         g = torch.Generator(device=target.device)
@@ -118,6 +122,7 @@ def generate_baseline(
         gens.append(g)
 
     def pick(logits, rows):  # [A, V], A active rows (their indices into the batch) -> [A]
+        logits = penalties.apply(logits[:, None], None, [pens[r] for r in rows])[:, 0]  # logit controls
         if params.greedy:
             return logits.argmax(-1)
         probs = warp_logits(logits, params)
@@ -136,6 +141,8 @@ def generate_baseline(
         for r, t in zip(active, tok.tolist()):  # one token per active row (decoding/stopping.py)
             _, reasons[r] = rules[r].admit(len(tokens[r]), [t])
             tokens[r].append(t)
+            if pens[r] is not None:
+                pens[r].update([t])
         keep = [a for a, r in enumerate(active) if reasons[r] is None]
         if not keep:
             break

@@ -17,7 +17,7 @@ from dflash_trt.decoding.draft_length import length_source
 from dflash_trt.decoding.verify_cost import VerifyCost, best_width
 from dflash_trt.errors import DFlashError
 
-PROPOSERS = ("dflash", "ngram", "hybrid")
+PROPOSERS = ("dflash", "ngram", "hybrid", "tree")
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,14 @@ def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: t
             "proposer=ngram: draft_cutoff / draft_length=confidence act on the drafter's drafts and this "
             "proposer has none; use draft_cutoff=0, draft_length=block"
         )
-    if proposer == "hybrid" and "probability" not in offered:
+    if proposer == "tree" and source == "cost":
         raise DFlashError(
-            f"proposer=hybrid: {label} drafters give no per-draft probability to weigh against the copied "
+            "proposer=tree: draft_length=cost prices a chain verify, not a two-branch tree; use "
+            "draft_length=block or proposer=hybrid"
+        )
+    if proposer in ("hybrid", "tree") and "probability" not in offered:
+        raise DFlashError(
+            f"proposer={proposer}: {label} drafters give no per-draft probability to weigh against the copied "
             f"continuation; use proposer=dflash"
         )
     needs = frozenset()
@@ -66,7 +71,7 @@ def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: t
             frozenset({source} - {None, "cost"})
             | (frozenset({cost_source}) if source == "cost" else frozenset())
             | (frozenset({"confidence"}) if "confidence" in offered else frozenset())
-            | (frozenset({"probability"}) if proposer == "hybrid" else frozenset())
+            | (frozenset({"probability"}) if proposer in ("hybrid", "tree") else frozenset())
         )
     return Plan(source, cost_source, needs, source is not None or proposer != "dflash")
 
@@ -80,6 +85,7 @@ class Proposal:
     copied: list[bool]  # per row: drafts copied from its own text (proposer=ngram / hybrid)
     probability: torch.Tensor | None = None  # [R, B-1] the drafter's per-draft probability (hybrid's record)
     drafter_ran: bool = True  # False: copies only, or plain steps (the drafter was skipped this round)
+    copies: list[list[int]] | None = None  # proposer=tree: per row the copy verified beside block ([]: none)
 
 
 def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int, proposals=None) -> Proposal:

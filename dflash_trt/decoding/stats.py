@@ -18,6 +18,12 @@ Definitions (B = block size; a verify step = one target pass after prefill):
   copied              proposer=hybrid: the verify steps whose drafts were copied from the row's own
                       text (decoding/hybrid.py), their drafts and accepted drafts (also counted in
                       the totals above); the drafter's share is the difference
+  tree                proposer=tree (decoding/tree.py): a round that verified both a copy and the drafter's
+                      block as one tree counts above as one step of the branch it kept (its drafts,
+                      accepted drafts, copied or not); num_tree_steps counts those rounds,
+                      num_tree_draft_tokens every draft they judged (both branches, shared prefix once, so
+                      at least the kept branch's drafts), num_tree_copy_wins the rounds that kept the copy
+                      (also counted in copied)
   predicted_at[i]     drafters with a confidence head (DSpark): the sum over verify steps of its
                       predicted P(draft i+1 is accepted) (the running product of its per-position
                       predictions; 0 where the draft was not verified), so predicted_per_position
@@ -42,6 +48,9 @@ _COUNTS = (
     "num_copied_steps",
     "num_copied_draft_tokens",
     "num_accepted_copied_tokens",
+    "num_tree_steps",
+    "num_tree_draft_tokens",
+    "num_tree_copy_wins",
 )
 _TIMES = ("prefill_time", "draft_time", "verify_time", "wall_time")
 
@@ -73,6 +82,9 @@ class DecodeStats:
     num_copied_steps: int = 0  # proposer=hybrid: steps that verified drafts copied from the text
     num_copied_draft_tokens: int = 0
     num_accepted_copied_tokens: int = 0
+    num_tree_steps: int = 0  # proposer=tree: verify steps over a two-branch tree (see the module docstring)
+    num_tree_draft_tokens: int = 0
+    num_tree_copy_wins: int = 0
     accept_hist: list[int] = field(default_factory=list)  # [k] = verify steps that emitted k tokens (1..B)
     accepted_at: list[int] = field(default_factory=list)  # [i] = steps whose draft i+1 was accepted
     predicted_at: list[float] = field(default_factory=list)  # [i] = sum of predicted P(draft i+1 accepted)
@@ -127,6 +139,13 @@ class DecodeStats:
                 self.predicted_at = [0.0] * (self.block_size - 1)
             for i, p in enumerate(predicted[:drafted]):
                 self.predicted_at[i] += p
+
+    def record_tree(self, judged: int, copy_won: bool) -> None:
+        """One tree round (proposer=tree), besides its record() of the kept branch: `judged` drafts in
+        both branches (shared prefix once); copy_won: the copy's branch was kept."""
+        self.num_tree_steps += 1
+        self.num_tree_draft_tokens += judged
+        self.num_tree_copy_wins += int(copy_won)
 
     @property
     def tau(self) -> float:

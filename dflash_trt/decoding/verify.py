@@ -15,7 +15,9 @@ Greedy acceptance keeps the longest prefix with d_{i+1} == argmax(logits[i]) and
 exactly the target's greedy continuation. Rejection sampling (Leviathan et al. 2023; Chen
 et al. 2023) accepts d with probability min(1, p(d)/q(d)) and resamples from the
 normalised residual, so emitted tokens are distributed exactly as the target's p.
-The random numbers are arguments so that a GPU kernel can be checked against this code.
+The random numbers are arguments so that a GPU kernel can be checked against this code;
+accept_rows, the engine's per-row dispatch over a batch of requests, draws them from each
+row's generator.
 """
 
 from __future__ import annotations
@@ -80,6 +82,39 @@ def rejection_accept(
     return Verdict(accepted=accepted, bonus=bonus)
 
 
+def accept_rows(
+    ops,
+    block: torch.Tensor,  # [R, W] last token + drafts
+    logits: torch.Tensor,  # [R, W, V] target logits (after the rows' logit controls, decoding/penalties.py)
+    q: torch.Tensor | None,  # [R, W-1, V] drafter probabilities, None when every row is greedy
+    n_draft: torch.Tensor,  # [R] drafts row r judges
+    rows: list[tuple[SamplingParams, torch.Generator]],
+    variable: bool,
+    block_size: int,
+) -> Verdict:
+    """A round's verdict for a batch of requests. ops: greedy(block, logits) / rejection(...) as
+    modeling/fast_path.py's TorchAccept or TritonAccept; variable: rows may judge fewer than W-1
+    drafts; a sampled row draws block_size uniforms from its generator whatever W is."""
+    W = block.shape[1]
+    if q is None:
+        if variable:  # drafts past a row's length become -1, never a token: it stops there
+            past = torch.arange(1, W, device=block.device) > n_draft[:, None]  # [R, W-1]
+            block = torch.cat([block[:, :1], block[:, 1:].masked_fill(past, -1)], dim=1)
+        return ops.greedy(block, logits)
+    accepted, bonus = [], []
+    for r, (params, gen) in enumerate(rows):
+        n = int(n_draft[r]) + 1
+        if params.greedy:
+            v = ops.greedy(block[r : r + 1, :n], logits[r : r + 1, :n])
+        else:
+            p = warp_logits(logits[r, :n], params)
+            u = torch.rand(block_size, generator=gen, device=logits.device)
+            v = ops.rejection(block[r : r + 1, :n], p[None], q[r : r + 1, : n - 1], u[None, : n - 1], u[-1:])
+        accepted.append(v.accepted)
+        bonus.append(v.bonus)
+    return Verdict(torch.cat(accepted), torch.cat(bonus))
+
+
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k and top-p applied to logits [..., V]; returns probabilities.
 
@@ -105,3 +140,46 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None) -> tor
     flat = probs.reshape(-1, probs.shape[-1])
     u = torch.rand(flat.shape[0], generator=generator, device=flat.device)
     return _inverse_cdf(flat, u).reshape(probs.shape[:-1])
+
+
+def two_branch_accept(
+    draft: list[int],  # the drafter's drafts d_1..d_nd
+    copy: list[int],  # the copied drafts c_1..c_nc (a point mass each); a shared prefix with draft allowed
+    p_d: torch.Tensor,  # [nd+1, V] target probabilities along the drafter's branch (x0, d_1, ..)
+    p_c: torch.Tensor,  # [nc+1, V] along the copy's branch (the same rows as p_d over the shared prefix)
+    q: torch.Tensor,  # [>=nd, V] the drafter's distributions that produced d
+    u_d: torch.Tensor,  # [>=nd] uniforms for the drafter's candidates
+    u_c: torch.Tensor,  # [>=nc] uniforms for the copy's candidates
+    u_s: torch.Tensor,  # [1] uniform for the residual / bonus sample
+) -> tuple[int, int, bool]:
+    """Lossless speculative sampling over two candidate branches (one row): recursive rejection sampling
+    (SpecInfer's multi-step speculative sampling, Miao et al. 2023). At each depth the live candidates are
+    tried in a fixed order, the drafter's x ~ q first, then the copy's c: accept x iff u_d * q(x) < p(x);
+    else p <- normalised max(p - q, 0) and accept c iff u_c < p(c) (its q is a point mass); else the
+    token is sampled from p without c, normalised. Each stage is plain speculative sampling of the current
+    p, and the candidates do not depend on the coins (c is fixed by the past, x drawn from q), so every
+    emitted token follows the target. Where both branches propose the same token both stay alive; an
+    accepted token that is one branch's alone ends the other. -> (accepted, bonus, copy's branch kept):
+    the copy's when the drafter's branch ended first, else the drafter's."""
+    live_d, live_c, i = True, bool(copy), 0
+    while True:
+        p = p_d[i] if live_d else p_c[i]
+        x = draft[i] if live_d and i < len(draft) else None
+        c = copy[i] if live_c and i < len(copy) else None
+        if x is not None:
+            if float(u_d[i]) * float(q[i, x]) < float(p[x]):
+                live_c, i = live_c and c == x, i + 1
+                continue
+            p = _normalised((p - q[i]).clamp(min=0), p)
+        if c is not None:
+            if float(u_c[i]) < float(p[c]):
+                live_d, i = live_d and x == c, i + 1
+                continue
+            p = _normalised(p.index_fill(0, torch.tensor([c], device=p.device), 0.0), p)
+        return i, int(_inverse_cdf(p[None], u_s)[0]), not live_d  # the residual, or p past both branches
+
+
+def _normalised(residual: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """residual [V] / its mass; p itself where the mass is 0 (that rejection had probability 0)."""
+    mass = residual.sum()
+    return residual / mass if float(mass) > 0 else p

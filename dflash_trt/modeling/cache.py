@@ -58,6 +58,19 @@ class KVCache:
         """K, V of all rows for slots [0, upto): [R, H_kv, upto, D]."""
         return self.k[layer][:, :, :upto], self.v[layer][:, :, :upto]
 
+    def gather_slots(self, src: torch.Tensor, start: torch.Tensor) -> None:
+        """Move, in every layer, the K/V at slots src [R, m] to slots start[r] + 0..m-1 (start [R]);
+        lengths stay. A tree verify (decoding/tree.py) keeps its winning branch this way: the branch's
+        nodes, spread over the tree's slots, become the contiguous run a chain verify would have written.
+        All sources are read before any slot is written, so the runs may overlap."""
+        R, m = src.shape
+        dst = start[:, None] + torch.arange(m, device=src.device)  # [R, m]
+        for kv in (self.k, self.v):
+            for t in kv:
+                H, D = t.shape[1], t.shape[3]
+                moved = t.gather(2, src[:, None, :, None].expand(-1, H, -1, D))  # [R, H_kv, m, D]
+                t.scatter_(2, dst[:, None, :, None].expand(-1, H, -1, D), moved)
+
     def crop(self, lengths: torch.Tensor) -> None:
         """Rewind every row to lengths [R] (must not exceed what was written)."""
         self.lengths = lengths.to(self.lengths)

@@ -139,6 +139,7 @@ class TargetModel(nn.Module):
         cache: KVCache,
         tap_layers: list[int] | None = None,
         logits_at: torch.Tensor | None = None,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> TargetOutput:
         """Append input_ids [R, n] to every row at positions cache.lengths[r] + 0..n-1.
 
@@ -146,19 +147,27 @@ class TargetModel(nn.Module):
         logits_at [R, m] selects the positions (0..n-1 within this input) to compute logits for;
         None means all n. tap_layers lists the decoder layers whose outputs are returned (the last
         layer's after the final norm, as transformers' hidden_states[L] is).
+        tree: (depth [R, n], ancestors [R, n, n] bool) when the n tokens are a token tree rather than a
+        chain (decoding/tree.py): token j still goes to slot lengths + j, but its RoPE position is
+        lengths + depth[r, j] and it sees the cache and the new tokens i with ancestors[r, j, i] (itself
+        included), so every node is computed as if its root-to-node path alone had been appended.
         """
         R, n = input_ids.shape
         cache.check_room(n)
-        positions = cache.lengths[:, None] + torch.arange(n, device=input_ids.device)  # [R, n]
-        upto = int(positions.max()) + 1
-        visible = torch.arange(upto, device=input_ids.device)[None, None, :] <= positions[:, :, None]
+        slots = cache.lengths[:, None] + torch.arange(n, device=input_ids.device)  # [R, n]
+        upto = int(slots.max()) + 1
+        if tree is None:
+            positions = slots
+            visible = torch.arange(upto, device=input_ids.device)[None, None, :] <= positions[:, :, None]
+        else:
+            positions, visible = _tree_mask(cache.lengths, tree, n, upto)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(x, positions)
         taps = []
         want = set(tap_layers or [])
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), i, cache, positions, upto, visible, cos, sin)
+            x = x + self._attention(layer, layer.input_layernorm(x), i, cache, slots, upto, visible, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in want:
                 taps.append(self.norm(x) if i == last else x)
@@ -171,7 +180,7 @@ class TargetModel(nn.Module):
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
         return TargetOutput(logits=self.logits(x), taps=tapped)
 
-    def _attention(self, layer, h, i, cache, positions, upto, visible, cos, sin):
+    def _attention(self, layer, h, i, cache, slots, upto, visible, cos, sin):
         attn = layer.self_attn
         R, n, _ = h.shape
         q = attn.q_proj(h).view(R, n, -1, self.head_dim)
@@ -181,7 +190,7 @@ class TargetModel(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        cache.write(i, k, v, positions)
+        cache.write(i, k, v, slots)  # the slots; RoPE (cos, sin) carries the positions
         k_all, v_all = cache.view(i, upto)
         out = cached_attention(q, k_all, v_all, visible, self.scale)  # [R, H, n, D]
         return attn.o_proj(out.transpose(1, 2).reshape(R, n, -1))
@@ -202,3 +211,21 @@ class TargetModel(nn.Module):
         out = self.forward(ids, cache, tap_layers, logits_at=(lens - 1)[:, None])
         cache.crop(lens)
         return out
+
+
+def _tree_mask(
+    lengths: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor], n: int, upto: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE positions [R, n] and visibility [R, n, upto] of a token tree appended at slots lengths + 0..n-1:
+    lengths [R]; tree = (depth [R, n], ancestors [R, n, n] bool, ancestors[r, j, j] True)."""
+    depth, ancestors = tree
+    R = lengths.shape[0]
+    if tuple(depth.shape) != (R, n) or tuple(ancestors.shape) != (R, n, n):
+        raise DFlashError(
+            f"tree: depth {tuple(depth.shape)} / ancestors {tuple(ancestors.shape)} must be [{R}, {n}] / "
+            f"[{R}, {n}, {n}] (rows x new tokens); build them with decoding/tree.py"
+        )
+    rel = torch.arange(upto, device=lengths.device)[None, :] - lengths[:, None]  # [R, upto] slot - first new slot
+    among = ancestors.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(-1, n, -1))  # [R, n, upto]
+    visible = (rel < 0)[:, None, :] | (among & (rel < n)[:, None, :])
+    return lengths[:, None] + depth, visible

@@ -51,7 +51,7 @@ def evaluate(
     width cut to the drafts the drafter is sure of. The top-level fields are those of the first
     configuration; "sweep" lists every one. draft_length: what the cutoffs gate ("block": the drafter's
     probabilities; "confidence": a DSpark drafter's confidence head, every cutoff then > 0). proposer:
-    where the drafts come from, "dflash" | "ngram" | "hybrid" (decoding/engine.py PROPOSERS, which the
+    where the drafts come from, "dflash" | "ngram" | "hybrid" | "tree" (decoding/engine.py PROPOSERS, which the
     engine checks); rows carry `sources`, the steps / drafts / accepted drafts of the drafter and of the
     copied text."""
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
