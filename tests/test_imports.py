@@ -129,8 +129,8 @@ def test_module_list_and_graph_cover_the_package():
     assert {"dflash_trt", "dflash_trt.cli", "dflash_trt.api", "dflash_trt.kernels"} <= set(modules)
     assert not any("model_repo" in m for m in modules)
     graph = import_graph(modules)
-    # a function-level import (orchestrator's engine loader) and a string naming a module are edges
-    assert "dflash_trt.decoding.engine" in graph["dflash_trt.serving.orchestrator"]
+    # a function-level import (the serving engine loader) and a string naming a module are edges
+    assert "dflash_trt.decoding.engine" in graph["dflash_trt.serving.engine_factory"]
     assert "dflash_trt.train.cli" in graph["dflash_trt.cli"]
     assert "dflash_trt.kernels.accept" in graph["dflash_trt.kernels"]
 

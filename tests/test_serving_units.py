@@ -1,5 +1,5 @@
-"""Serving pieces without a server: detokenisation, request validation, the orchestrator's
-continuous batching / cancellation / error isolation, and model-repository filling."""
+"""Serving pieces without a server, engine side: the orchestrator's continuous batching /
+cancellation / error isolation / stop matching / queue, and the engine loader."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import functools
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_model_dir, tiny_target, tiny_tokenizer
+from conftest import tiny_drafter, tiny_model_dir, tiny_target
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.engine import SpecEngine
@@ -18,115 +17,12 @@ from dflash_trt.decoding.loop import generate_baseline
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import DFlashError
 from dflash_trt.modeling.target import TargetModel
-from dflash_trt.serving.orchestrator import Orchestrator, load_engine_factory
-from dflash_trt.serving.protocol import (
-    RequestError,
-    Sampling,
-    TokenRequest,
-    parse_text_request,
-    parse_token_request,
-    progress_from,
-    token_outputs,
-)
-from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, placeholders
-from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, split_stop_sequences, text_delta
+from dflash_trt.serving.engine_factory import load_engine_factory
+from dflash_trt.serving.orchestrator import Orchestrator
+from dflash_trt.serving.protocol import Sampling, TokenRequest
+from dflash_trt.serving.stops import TextStop
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    tiny_tokenizer().save_pretrained(d)
-    return d
-
-
-# ---- text -------------------------------------------------------------------------------------
-def test_light_tokenizer_matches_autotokenizer(tok_dir):
-    light, hf = TextCodec.from_dir(tok_dir, backend="light"), TextCodec.from_dir(tok_dir, backend="transformers")
-    assert light.light and not hf.light
-    for chat in (False, True):
-        for t in ["hello world", "héllo wörld ✓ 漢字 <|im_end|> x", "def add(a, b):\n    return a + b\n"]:
-            assert light.encode(t, chat) == hf.encode(t, chat)
-    ids = list(range(hf.vocab_size))
-    assert light.decode(ids) == hf.decode(ids)
-    assert (light.vocab_size, light.eos_token_id) == (hf.vocab_size, hf.eos_token_id)
-    assert light.encode_stop_words(["fox", ""]) == hf.encode_stop_words(["fox"])
-
-
-def test_streamed_chunks_concatenate_exactly(tok_dir):
-    codec = TextCodec.from_dir(tok_dir)
-    rng = np.random.default_rng(0)
-    texts = ["漢字 ✓ héllo", "ünïcode ✓✓ 漢"]
-    seqs = [codec.encode(t, chat=False) for t in texts]
-    byte_ids = [codec.tok.backend.token_to_id(c) for c in "\u00e6\u00bc\u00a2"]  # the 3 byte tokens of '漢'
-    assert None not in byte_ids
-    seqs += [byte_ids * 3, byte_ids[:2] + [5] + byte_ids]  # split characters, and an invalid sequence
-    seqs += [list(rng.integers(0, codec.vocab_size, 40)) for _ in range(20)]  # random bytes: invalid UTF-8
-    for ids in seqs:
-        full = codec.decode(ids)
-        for _ in range(3):
-            cuts = sorted(set(rng.integers(1, len(ids), size=min(len(ids) - 1, 5)).tolist())) if len(ids) > 1 else []
-            bounds = [0] + cuts + [len(ids)]
-            det, stateless = StreamDetokenizer(codec), []
-            chunks = []
-            for a, b in zip(bounds, bounds[1:]):
-                final = b == len(ids)
-                chunks.append(det.add(ids[a:b], final))
-                stateless.append(text_delta(codec, ids[:b], a, final))
-            assert "".join(chunks) == full
-            assert stateless == chunks
-    # a character split across tokens is held back, never sent as U+FFFD
-    det = StreamDetokenizer(codec)
-    assert det.add(byte_ids[:2]) == "" and det.add(byte_ids[2:]) == "漢"
-
-
-def test_stop_sequence_packing():
-    assert split_stop_sequences(join_stop_sequences([[1, 2], [3]])) == [[1, 2], [3]]
-    assert split_stop_sequences([]) == []
-
-
-# ---- protocol ---------------------------------------------------------------------------------
-def _getter(**vals):
-    arrays = {}
-    for k, v in vals.items():
-        if isinstance(v, str):
-            v = np.array([[v.encode()]], dtype=object)
-        arrays[k] = np.asarray(v).reshape(1, -1) if not isinstance(v, np.ndarray) else v
-    return arrays.get
-
-
-@pytest.mark.parametrize(
-    "vals, field",
-    [
-        (dict(max_tokens=4), "text_input"),
-        (dict(text_input="hi"), "max_tokens"),
-        (dict(text_input="hi", max_tokens=0), "max_tokens"),
-        (dict(text_input="hi", max_tokens=4, temperature=-1.0), "temperature"),
-        (dict(text_input="hi", max_tokens=4, top_p=0.0), "top_p"),
-        (dict(text_input="hi", max_tokens=4, top_p=1.5), "top_p"),
-        (dict(text_input="hi", max_tokens=4, top_k=-2), "top_k"),
-        (dict(text_input="hi", max_tokens=np.array([[4, 5]], np.int32)), "max_tokens"),
-    ],
-)
-def test_bad_request_names_the_field(vals, field):
-    with pytest.raises(RequestError, match=f"^{field}"):
-        parse_text_request(_getter(**vals))
-
-
-def test_token_request_roundtrip():
-    req = parse_token_request(
-        _getter(
-            input_ids=[3, 4, 5], max_tokens=7, stream=True, stop_sequences=[1, 2, -1, 9], request_key="k", end_id=-1
-        )
-    )
-    assert req.prompt_ids == [3, 4, 5] and req.sampling.max_tokens == 7 and req.sampling.stream
-    assert req.stop_sequences == [[1, 2], [9]] and req.request_key == "k"
-    p = req.sampling.to_params()
-    assert p.ignore_eos and p.stop_token_ids == ()
-    assert parse_token_request(_getter(cancel_key="k")).key == "k"
-    with pytest.raises(RequestError, match="^input_ids"):
-        parse_token_request(_getter(input_ids=np.array([[1, 2], [3, 4]], np.int32), max_tokens=2))
 
 
 # ---- orchestrator -----------------------------------------------------------------------------
@@ -203,11 +99,20 @@ def test_orchestrator_cancel_stop_sequence_and_engine_failure(pair):
         stop = ref[6:8]
         orch.submit(TokenRequest(prompt, Sampling(max_tokens=40), stop_sequences=[stop]), stopped)
         orch.submit(TokenRequest(prompt, Sampling(max_tokens=40)), ok)
+        # text stop strings (serving/stops.py) over a codec whose token i is one letter
+        letters = type("Letters", (), {"decode": staticmethod(lambda ids: "".join(chr(97 + i % 26) for i in ids))})
+        word = letters.decode(ref[9:11])
+        through = next(k for k in range(1, len(ref) + 1) if word in letters.decode(ref[:k]))
+        texted, at_end = ListSink(), ListSink()
+        for sink, n in ((texted, 40), (at_end, through)):  # at_end: the stop and max_tokens end the same step
+            orch.submit(TokenRequest(prompt, Sampling(max_tokens=n), text_stop=TextStop(letters, [word]).match), sink)
         while not keyed.msgs:
             time.sleep(0.01)
         orch.cancel("k1")
-        for s in (gone, keyed, stopped, ok):
+        for s in (gone, keyed, stopped, ok, texted, at_end):
             assert s.done.wait(60)
+        for s in (texted, at_end):
+            assert (s.msgs[-1][0].output_ids, s.msgs[-1][0].finish_reason) == (ref[:through], "stop")
         assert gone.closed and len(gone.msgs) == 2
         assert keyed.msgs[-1][0].finish_reason == "cancelled" and keyed.msgs[-1][1]
         first = next(i for i in range(1, len(ref)) if ref[i - 1 : i + 1] == stop)
@@ -287,35 +192,6 @@ def test_end_id_outside_the_vocabulary_is_refused_in_one_line(pair):
         orch.stop()
     assert bad.errors == [f"end_id={V}: outside the vocabulary 0..{V - 1} (give a token id, or -1 to ignore EOS)"]
     assert not bad.msgs and not ok.errors and ok.msgs[-1][1]
-
-
-def test_progress_tensors_roundtrip():
-    from dflash_trt.serving.protocol import Progress
-
-    p = Progress([4, 5, 6], 1, "stop", 3, 9, 4, 3, {"e2e_time": 1.0})
-    outs = token_outputs(p, prefix_ids=[1, 2])
-    q = progress_from(lambda n: outs.get(n))
-    assert q.output_ids == [1, 2, 4, 5, 6] and q.num_prev == 3 and q.finish_reason == "stop"
-    assert (q.acceptance_rate, q.acceptance_length, q.perf) == (4 / 9, (4 + 3) / 3, {"e2e_time": 1.0})
-
-
-def test_engine_loader_names_missing_files(tmp_path):
-    with pytest.raises(DFlashError, match="config.json"):
-        load_engine_factory(str(tmp_path / "nope"), str(tmp_path))
-    tiny_model_dir(tmp_path / "target")
-    with pytest.raises(DFlashError, match="drafter_dir.*config.json"):
-        load_engine_factory(str(tmp_path / "target"), str(tmp_path / "nodrafter"))
-    with pytest.raises(DFlashError, match="engine_backend"):
-        load_engine_factory(str(tmp_path / "target"), str(tmp_path), engine_backend="trt")
-    with pytest.raises(DFlashError, match="draft_cutoff=1.5"):
-        load_engine_factory(str(tmp_path / "target"), str(tmp_path), draft_cutoff=1.5)
-
-
-def test_engine_loader_passes_the_draft_cutoff(tmp_path):
-    target = TargetModel.from_pretrained(tiny_model_dir(tmp_path / "target"), dtype=torch.float32)
-    tiny_drafter(target).save_pretrained(tmp_path / "drafter")
-    make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "drafter"), dtype="float32", draft_cutoff=0.25)
-    assert make().draft_cutoff == 0.25
 
 
 def _dspark_drafter(target, block_size: int = 4):
@@ -434,61 +310,6 @@ def test_orchestrator_reports_draft_sources(proposer):
     assert [sum(c) for c in zip(*metrics.copied_calls)] == [src["copied"]["drafts"], src["copied"]["accepted"]]
     if proposer == "ngram":
         assert src["drafter"]["drafts"] == 0
-
-
-def test_engine_loader_passes_the_proposer(tmp_path):
-    """proposer reaches the engine; one the drafter does not fit (hybrid with a DFlash 2 drafter, no per-draft
-    probability) fails at the first engine (load time in Triton) with the engine's one line."""
-    import dataclasses
-
-    from dflash_trt.config import DrafterConfig
-    from dflash_trt.modeling.drafter import DFlashDrafter
-
-    target = TargetModel.from_pretrained(tiny_model_dir(tmp_path / "target"), dtype=torch.float32)
-    tiny_drafter(target).save_pretrained(tmp_path / "plain")
-    cfg = dataclasses.replace(
-        DrafterConfig.for_target(target.config, num_layers=1, block_size=4),
-        architectures=["DFlash2DraftModel"],
-        family_fields={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 3},
-    )
-    DFlashDrafter(cfg).save_pretrained(tmp_path / "dflash2")
-    make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "plain"), dtype="float32", proposer="ngram")
-    assert make().proposer == "ngram"
-    make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "dflash2"), dtype="float32", proposer="hybrid")
-    with pytest.raises(DFlashError, match="proposer=hybrid: DFlash 2 drafters") as e:
-        Orchestrator(make)
-    assert "\n" not in str(e.value)
-
-
-# ---- model repository -------------------------------------------------------------------------
-def test_fill_model_repo(tmp_path):
-    tpl = default_template_dir()
-    used = placeholders(tpl)
-    assert {"target_dir", "drafter_dir", "tokenizer_dir", "max_batch", "triton_max_batch_size"} <= set(used)
-    values = default_values(tmp_path / "t", tmp_path / "d", dtype="float32")
-    out = fill_model_repo(tpl, tmp_path / "repo", values)
-    models = {p.name for p in out.iterdir()}
-    assert models == {"ensemble", "preprocessing", "postprocessing", "dflash", "dflash_bls", "dflash_unary"}
-    for m in models:
-        text = (out / m / "config.pbtxt").read_text()
-        assert "${" not in text and (out / m / "1").is_dir()
-    assert f'string_value: "{(tmp_path / "t").resolve()}"' in (out / "dflash" / "config.pbtxt").read_text()
-    assert 'key: "draft_cutoff" value: { string_value: "0.0" }' in (out / "dflash" / "config.pbtxt").read_text()
-    assert 'key: "draft_length" value: { string_value: "block" }' in (out / "dflash" / "config.pbtxt").read_text()
-    assert 'key: "proposer" value: { string_value: "dflash" }' in (out / "dflash" / "config.pbtxt").read_text()
-    assert 'key: "max_queue" value: { string_value: "256" }' in (out / "dflash" / "config.pbtxt").read_text()
-    with pytest.raises(DFlashError, match=r"^max_queue=0: must be an integer >= 1"):
-        default_values(tmp_path / "t", tmp_path / "d", max_queue=0)
-    hybrid = fill_model_repo(tpl, tmp_path / "hybrid" / "repo", {**values, "proposer": "hybrid"})
-    assert 'key: "proposer" value: { string_value: "hybrid" }' in (hybrid / "dflash" / "config.pbtxt").read_text()
-    # a missing value is refused, naming the placeholder and its file; nothing is written
-    partial = dict(values)
-    del partial["drafter_dir"]
-    with pytest.raises(DFlashError, match=r"drafter_dir \(in dflash/config.pbtxt\)"):
-        fill_model_repo(tpl, tmp_path / "repo2", partial)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hybrid", "repo"]
-    with pytest.raises(DFlashError, match="unknown"):
-        default_values("t", "d", typo=1)
 
 
 # ---- queue: immediate cancel of waiting requests, backpressure (issue #30 items 6, 7) ------------

@@ -2,13 +2,15 @@
 
 Model repository (templates in model_repo/, filled by repo.fill_model_repo):
 
-  dflash          decoupled engine model: token ids in, cumulative output ids + acceptance
+  dflash          engine model (decoupled; unary in `decoupled: false` builds): token ids in, output ids + acceptance
                   statistics out; one background thread runs continuous batching
                   (orchestrator.py) over SpecEngine; custom dflash_* metrics.
   dflash_bls      decoupled text front door (gRPC streaming API): tokenizes in-process, drives
                   `dflash` through BLS, detokenises incrementally, propagates cancellation.
-  dflash_unary    the same front door, not decoupled: unary gRPC `infer` and HTTP clients.
-  ensemble        preprocessing -> dflash -> postprocessing with tensorrtllm_backend's inputs.
+  dflash_unary    the same front door, not decoupled: unary gRPC `infer` and HTTP clients; each
+                  request answered when it is done, batched requests served row by row.
+  ensemble        preprocessing -> dflash -> postprocessing with tensorrtllm_backend's inputs
+                  (unary over a unary `dflash` in `decoupled: false` builds).
   preprocessing / postprocessing   the ensemble's tokenizer steps.
 
 Why three text front doors (measured on Triton 2.51): an ensemble that contains a decoupled
@@ -19,8 +21,12 @@ mix ensemble inputs with a decoupled step's outputs. Hence streaming clients use
 unary clients `dflash_unary`, and `ensemble` stays for tensorrtllm_backend-style clients.
 All three return the same text: streamed chunks concatenate exactly to the non-streamed text.
 
-Modules: server.py (start/stop tritonserver, `serve`), repo.py (fill templates), client.py
-(DFlashClient), text.py (tokenizer, exact incremental detokenisation), protocol.py (request
-validation, tensors), orchestrator.py (step loop), triton_dflash.py / triton_text.py (the
-Python-backend models; importable only inside Triton's stub).
+Modules: server.py (start/stop tritonserver, `serve`, clean shutdown), drain.py (the drain file
+that tells the engine model to finish within a grace period), repo.py (fill templates), client.py
+(DFlashClient), text.py (tokenizer, exact incremental detokenisation), stops.py (text stop
+strings), protocol.py (request validation, tensors), trtllm_inputs.py (tensorrtllm_backend's
+optional inputs), orchestrator.py (step loop), jobs.py (its per-request state, sinks, metrics
+hooks), engine_factory.py (load the pair, make engines), openai_api.py / openai_schema.py
+(the OpenAI-compatible HTTP API in front of the server), triton_dflash.py / triton_text.py (the Python-backend models;
+importable only inside Triton's stub).
 """

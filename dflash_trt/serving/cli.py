@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from pathlib import Path
 
 import click
 
@@ -13,6 +14,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.serving.client import DFlashClient
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+from dflash_trt.serving.server import DEFAULT_GRACE_PERIOD
 from dflash_trt.serving.server import serve as run
 
 
@@ -27,8 +29,40 @@ def register(main: click.Group) -> None:
     @click.option("--grpc-port", default=8001, show_default=True, type=int)
     @click.option("--http-port", default=8000, show_default=True, type=int)
     @click.option("--metrics-port", default=8002, show_default=True, type=int)
+    @click.option(
+        "--openai-port",
+        default=None,
+        type=click.IntRange(0, 65535),
+        help="Also serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port.",
+    )
+    @click.option("--openai-host", default="127.0.0.1", show_default=True, help="Address the OpenAI API binds.")
+    @click.option(
+        "--served-model-name",
+        default=None,
+        help="Model id of the OpenAI API (default: the --target name, else the target folder's name).",
+    )
+    @click.option(
+        "--grace-period",
+        default=DEFAULT_GRACE_PERIOD,
+        show_default=True,
+        type=click.FloatRange(0, 86400, max_open=True),
+        help="Seconds requests in flight may still run after Ctrl-C / SIGTERM; then each gets a "
+        "'server is shutting down' error. A second Ctrl-C ends them at once.",
+    )
     @friendly_errors
-    def serve(model_repo, target, drafter_dir, out, grpc_port, http_port, metrics_port):
+    def serve(
+        model_repo,
+        target,
+        drafter_dir,
+        out,
+        grpc_port,
+        http_port,
+        metrics_port,
+        openai_port,
+        openai_host,
+        served_model_name,
+        grace_period,
+    ):
         """Start Triton Inference Server on 127.0.0.1 with the DFlash models; Ctrl-C stops it."""
         if model_repo is None:
             if not (target and drafter_dir):
@@ -39,7 +73,29 @@ def register(main: click.Group) -> None:
             model_repo = fill_model_repo(
                 default_template_dir(), out, default_values(resolve_target_dir(target), drafter_dir)
             )
-        raise SystemExit(run(model_repo, grpc_port, http_port, metrics_port, echo=click.echo))
+        api = None
+        if openai_port is not None:
+            # deferred: fastapi/uvicorn (the `serve` extra) load only when the API is asked for
+            from dflash_trt.serving.openai_api import OpenAIFrontend
+
+            if served_model_name is None and target and not Path(target).expanduser().is_dir():
+                served_model_name = target  # a known model name, not its cache folder's
+            # built before Triton starts, so a bad tokenizer folder fails at once; listens once Triton is ready
+            api = OpenAIFrontend(model_repo, f"127.0.0.1:{grpc_port}", openai_host, openai_port, served_model_name)
+        try:
+            code = run(
+                model_repo,
+                grpc_port,
+                http_port,
+                metrics_port,
+                echo=click.echo,
+                grace_period=grace_period,
+                on_ready=api.on_ready if api is not None else None,
+            )
+        finally:
+            if api is not None:
+                api.stop()
+        raise SystemExit(code)
 
     @main.command()
     @click.option("--url", default="127.0.0.1:8001", show_default=True)

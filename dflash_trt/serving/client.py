@@ -1,7 +1,8 @@
 """DFlashClient: text generation against the Triton model repository over gRPC (tritonclient).
 
 Boundary: client side only. `generate()` is one unary `infer` on the non-decoupled front door
-(`dflash_unary` by default); `stream()` opens a gRPC stream (`start_stream` /
+(`dflash_unary` by default), `generate_batch()` one such call holding one row per prompt
+(answered in prompt order); `stream()` opens a gRPC stream (`start_stream` /
 `async_stream_infer`) on a decoupled one (`dflash_bls`, or `ensemble`) and yields text chunks
 with running acceptance statistics; leaving the iterator early cancels the request on the
 server (`stop_stream(cancel_requests=True)`). Each `stream()` uses its own gRPC connection, so
@@ -47,7 +48,7 @@ def _tensor(g, name: str, value: np.ndarray):
     return t
 
 
-def build_inputs(
+def input_arrays(
     prompt: str,
     max_tokens: int,
     *,
@@ -61,10 +62,16 @@ def build_inputs(
     exclude_input_in_output: bool = True,
     return_perf_metrics: bool = False,
     apply_chat_template: bool | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_tokens: int | None = None,
+    bad_words: Sequence[str] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
     omit: Sequence[str] = (),
-) -> list:
-    """InferInputs for a text front door; `omit` drops named inputs (tests of missing fields)."""
-    g = _grpc()
+) -> dict[str, np.ndarray]:
+    """The input arrays (one row each) of a text front door; tensorrtllm_backend's logit controls when
+    given (serving/trtllm_inputs.py); `extra` adds raw [1, ...] arrays by name, `omit` drops named inputs."""
     vals = {
         "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
         "max_tokens": np.array([[max_tokens]], np.int32),
@@ -83,15 +90,51 @@ def build_inputs(
         vals["end_id"] = np.array([[end_id]], np.int32)
     if apply_chat_template is not None:
         vals["apply_chat_template"] = np.array([[apply_chat_template]], np.bool_)
-    return [_tensor(g, k, v) for k, v in vals.items() if k not in omit]
+    for name, v, dtype in (
+        ("repetition_penalty", repetition_penalty, np.float32),
+        ("presence_penalty", presence_penalty, np.float32),
+        ("frequency_penalty", frequency_penalty, np.float32),
+        ("min_tokens", min_tokens, np.int32),
+    ):
+        if v is not None:
+            vals[name] = np.array([[v]], dtype)
+    if bad_words:
+        vals["bad_words"] = np.array([[w.encode("utf-8") for w in bad_words]], dtype=object)
+    vals.update(extra or {})
+    return {k: v for k, v in vals.items() if k not in omit}
 
 
-def parse_result(result) -> dict:
-    """InferResult -> {text, finish_reason, <acceptance statistics>, perf_metrics}."""
+def build_inputs(prompt: str, max_tokens: int, **kw) -> list:
+    """InferInputs for a text front door (input_arrays' keywords)."""
+    g = _grpc()
+    return [_tensor(g, k, v) for k, v in input_arrays(prompt, max_tokens, **kw).items()]
+
+
+def batch_inputs(rows: Sequence[dict[str, np.ndarray]]) -> list:
+    """InferInputs of one request holding several rows (input_arrays each, same keys), row order kept;
+    stop_words / bad_words rows of different lengths are padded with empty strings (which the server drops)."""
+    g = _grpc()
+    keys = list(rows[0])
+    if any(list(r) != keys for r in rows):
+        raise DFlashError(
+            "batch rows: every row must set the same inputs (give stop_words, seed, end_id to all or none)"
+        )
+    out = []
+    for k in keys:
+        col = [r[k] for r in rows]
+        if k in ("stop_words", "bad_words"):
+            width = max(a.shape[1] for a in col)
+            col = [np.concatenate([a, np.full((1, width - a.shape[1]), b"", dtype=object)], axis=1) for a in col]
+        out.append(_tensor(g, k, np.concatenate(col)))
+    return out
+
+
+def parse_result(result, row: int = 0) -> dict:
+    """InferResult -> {text, finish_reason, <acceptance statistics>, perf_metrics} of one row."""
 
     def one(name):
         a = result.as_numpy(name)
-        return None if a is None else a.reshape(-1)[0]
+        return None if a is None else a.reshape(a.shape[0], -1)[row][0]
 
     out = {
         "text": (one("text_output") or b"").decode("utf-8"),
@@ -135,6 +178,20 @@ class DFlashClient:
         except InferenceServerException as e:
             raise ServingError(e.message() or str(e)) from None
         return parse_result(res)
+
+    def generate_batch(
+        self, prompts: Sequence[str], max_tokens: int = 128, temperature: float = 0.0, model: str | None = None, **kw
+    ) -> list[dict]:
+        """One unary request holding one row per prompt (each its own generation) -> results in prompt order."""
+        # deferred: optional dependency (the `serve` extra)
+        from tritonclient.utils import InferenceServerException
+
+        rows = [input_arrays(p, max_tokens, temperature=temperature, stream=False, **kw) for p in prompts]
+        try:
+            res = self._client.infer(model or self.model, batch_inputs(rows), client_timeout=self.timeout)
+        except InferenceServerException as e:
+            raise ServingError(e.message() or str(e)) from None
+        return [parse_result(res, i) for i in range(len(prompts))]
 
     def stream(
         self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, model: str | None = None, **kw

@@ -8,94 +8,35 @@ tests); between two engine steps the loop admits waiting requests (one batched p
 next one gets an "overloaded, retry" error at once. A waiting request that is cancelled (cancel key,
 or its client gone) leaves the queue at once, answered as cancelled, without waiting for the
 engine: `cancel()` ends it in the caller's thread, a watcher thread polls the waiting sinks.
+Shutdown: `drain(grace)` (or the `drain_signal` hook the watcher polls) refuses new requests at once and
+lets the requests already in run for `grace` seconds; then each one left gets one "server is shutting down"
+error, so the host (Triton) sees every request end and can unload the model. `stop()` ends the threads.
 Only the loop thread touches the engine. A request that
 the engine rejects gets an error on its own sink and never affects the others; an unexpected
 engine failure fails the running requests and starts a fresh engine.
 
 Stop sequences of several tokens are matched here, on the output ids (single stop tokens are
-the engine's). Metrics go to an optional object with the hooks of `NullMetrics`.
+the engine's), and so are text stop strings, through the request's `text_stop` matcher
+(serving/stops.py), so the engine stops at the token that completes one. Metrics go to an
+optional object with the hooks of `NullMetrics` (serving/jobs.py, with the Sink protocol and the
+per-request Job); the engine factory is serving/engine_factory.py.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
 
 from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.errors import DFlashError
-from dflash_trt.serving.protocol import Progress, TokenRequest
+from dflash_trt.serving.jobs import DEFAULT_MAX_QUEUE, GRACE_EXPIRED, SHUTTING_DOWN, Job, NullMetrics, Sink
+from dflash_trt.serving.protocol import TokenRequest
 
 log = logging.getLogger("dflash_trt.serving")
-
-DEFAULT_MAX_QUEUE = 256  # requests waiting for admission before new ones are refused as overloaded
-
-
-class Sink(Protocol):
-    def is_cancelled(self) -> bool: ...
-    def send(self, progress: Progress, final: bool) -> None: ...
-    def error(self, message: str) -> None: ...  # an error response that also ends the request
-    def close(self) -> None: ...  # end without data (the client is gone)
-
-
-class NullMetrics:
-    def request(self) -> None: ...
-    def step(self, verify_steps: int, draft_tokens: int, accepted_tokens: int) -> None: ...
-
-    # tokens that reached the client (a stream chunk or a final response sent): not those cut after a stop
-    # sequence, nor those of a request cancelled or whose client is gone
-    def delivered(self, tokens: int) -> None: ...
-    def finished(self, progress: Progress) -> None: ...
-
-    # drafts copied from a row's own text (proposer ngram / hybrid) judged and accepted since the last call
-    def copied(self, draft_tokens: int, accepted_tokens: int) -> None: ...
-
-    # a finished request's per-position counts: [i] = its verify steps whose draft i+1 was accepted, and
-    # the confidence head's summed predictions of that ([] without a head): decoding/stats.py
-    def positions(self, accepted_at: list[int], predicted_at: list[float]) -> None: ...
-    def cancelled(self) -> None: ...
-    def running(self, n: int) -> None: ...
-
-    # the queue: requests waiting for admission (a gauge, set at each change); the seconds one request
-    # waited, when it leaves the queue (admitted or cancelled); a request refused because the queue was full
-    def queued(self, n: int) -> None: ...
-    def waited(self, seconds: float) -> None: ...
-    def overloaded(self) -> None: ...
-
-
-@dataclass
-class _Job:
-    key: str
-    req: TokenRequest
-    sink: Sink
-    arrived: float = field(default_factory=time.perf_counter)
-    output: list[int] = field(default_factory=list)
-    sent: int = 0
-    first_token: float | None = None
-    # verify steps, draft tokens, accepted tokens, copied draft tokens, accepted copied tokens already counted
-    seen: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
-    stats: object = None  # the engine's DecodeStats (decoding/stats.py) once it has output
-    finish_reason: str = ""
-
-    def progress(self, num_prev: int, perf: dict | None = None) -> Progress:
-        s = self.stats
-        return Progress(
-            list(self.output),
-            num_prev,
-            self.finish_reason,
-            len(self.req.prompt_ids),
-            getattr(s, "num_draft_tokens", 0),
-            getattr(s, "num_accepted_draft_tokens", 0),
-            getattr(s, "num_verify_steps", 0),
-            perf,
-        )
 
 
 class Orchestrator:
@@ -106,6 +47,7 @@ class Orchestrator:
         idle_wait: float = 0.05,
         max_queue: int = DEFAULT_MAX_QUEUE,
         cancel_poll: float = 0.1,
+        drain_signal: Callable[[], float | None] | None = None,
     ):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise DFlashError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests waiting for admission)")
@@ -117,10 +59,13 @@ class Orchestrator:
         self.idle_wait = idle_wait
         self._cv = threading.Condition()
         self._cancel_keys: set[str] = set()
-        self._waiting: deque[_Job] = deque()  # the queue, guarded by self._cv
-        self._running: dict[str, _Job] = {}
+        self._waiting: deque[Job] = deque()  # the queue, guarded by self._cv
+        self._running: dict[str, Job] = {}
         self._ids = itertools.count()
         self._stop = False
+        # shutdown: polled by the watcher -> grace seconds once the host is stopping (None until then)
+        self._drain_signal = drain_signal
+        self._drain_deadline: float | None = None  # time.monotonic() after which the rest get SHUTTING_DOWN
         self._thread = threading.Thread(target=self._loop, name="dflash-step-loop", daemon=True)
         self._stopped = threading.Event()
         self._watcher = threading.Thread(target=self._watch_waiting, name="dflash-queue-watch", daemon=True)
@@ -153,13 +98,13 @@ class Orchestrator:
         self.metrics.request()
         with self._cv:
             refusal = None
-            if self._stop:
-                refusal = "server is shutting down"
+            if self._stop or self._drain_deadline is not None:
+                refusal = SHUTTING_DOWN
             elif len(self._waiting) >= self.max_queue:
                 refusal = f"server overloaded: max_queue={self.max_queue} requests already waiting; retry later"
                 self.metrics.overloaded()
             else:
-                self._waiting.append(_Job(key, req, sink))
+                self._waiting.append(Job(key, req, sink))
                 self.metrics.queued(len(self._waiting))
                 self._cv.notify()
         if refusal:
@@ -174,6 +119,19 @@ class Orchestrator:
                 self._cv.notify()
         for job in gone:
             self._end_cancelled(job, explicit=True)
+
+    def drain(self, grace: float) -> None:
+        """Shutting down: refuse new requests now; end those still waiting or running `grace` seconds from
+        now with a "server is shutting down" error. A second call can only bring the deadline closer."""
+        deadline = time.monotonic() + max(float(grace), 0.0)
+        with self._cv:
+            if self._drain_deadline is None or deadline < self._drain_deadline:
+                self._drain_deadline = deadline
+                self._cv.notify()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
@@ -193,7 +151,7 @@ class Orchestrator:
     def num_running(self) -> int:
         return len(self._running)
 
-    def _take_waiting(self, pred) -> list[_Job]:
+    def _take_waiting(self, pred) -> list[Job]:
         """Under self._cv: remove the waiting jobs pred selects; they have left the queue."""
         gone = [j for j in self._waiting if pred(j)]
         if gone:
@@ -202,7 +160,7 @@ class Orchestrator:
             self._left_queue(gone)
         return gone
 
-    def _left_queue(self, jobs: list[_Job]) -> None:
+    def _left_queue(self, jobs: list[Job]) -> None:
         """Under self._cv: count the time these jobs waited and the queue depth now."""
         now = time.perf_counter()
         for j in jobs:
@@ -213,12 +171,24 @@ class Orchestrator:
     def _watch_waiting(self) -> None:
         """End waiting requests whose client is gone while the loop is busy stepping."""
         while not self._stopped.wait(self.cancel_poll):
+            self._poll_drain_signal()
             with self._cv:
                 if self._stop:
                     break
                 gone = self._take_waiting(lambda j: self._cancelled(j, set()))
             for job in gone:
                 self._end_cancelled(job, explicit=False)
+
+    def _poll_drain_signal(self) -> None:
+        if self._drain_signal is None:
+            return
+        try:
+            grace = self._drain_signal()
+        except Exception:  # a broken hook must not end the watcher (client disconnects depend on it)
+            log.warning("drain signal check failed", exc_info=True)
+            return
+        if grace is not None:
+            self.drain(grace)
 
     # ---- loop thread --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -228,6 +198,10 @@ class Orchestrator:
                     self._cv.wait(self.idle_wait)
                 if self._stop:
                     break
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    late = self._take_waiting(lambda j: True) + list(self._running.values())
+                else:
+                    late = []
                 cancel, self._cancel_keys = self._cancel_keys, set()
                 gone = self._take_waiting(lambda j, keys=cancel: self._cancelled(j, keys))
                 free = self.engine.max_batch - len(self._running)
@@ -235,6 +209,7 @@ class Orchestrator:
                 if jobs:
                     self._left_queue(jobs)
             try:
+                self._shed(late, GRACE_EXPIRED)
                 for job in gone:
                     self._end_cancelled(job, explicit=job.key in cancel)
                 self._drop_cancelled(cancel)
@@ -252,10 +227,17 @@ class Orchestrator:
             if waiting:
                 self.metrics.queued(0)
         for job in waiting + list(self._running.values()):
-            self._safe(job, lambda j: j.sink.error("server is shutting down"))
+            self._safe(job, lambda j: j.sink.error(SHUTTING_DOWN))
         self._running.clear()
 
-    def _safe(self, job: _Job, fn) -> bool:
+    def _shed(self, jobs: list[Job], message: str) -> None:
+        """End these jobs (taken from the queue, or running) with an error; the engine frees their rows."""
+        for job in jobs:
+            if self._running.pop(job.key, None) is not None:
+                self.engine.cancel(job.key)
+            self._safe(job, lambda j: j.sink.error(message))
+
+    def _safe(self, job: Job, fn) -> bool:
         try:
             fn(job)
             return True
@@ -263,7 +245,7 @@ class Orchestrator:
             log.warning("request %s: sending failed; dropping it", job.key, exc_info=True)
             return False
 
-    def _cancelled(self, job: _Job, keys: set[str]) -> bool:
+    def _cancelled(self, job: Job, keys: set[str]) -> bool:
         if job.key in keys:
             return True
         try:
@@ -277,7 +259,7 @@ class Orchestrator:
             del self._running[job.key]
             self._end_cancelled(job, explicit=job.key in keys)
 
-    def _end_cancelled(self, job: _Job, explicit: bool) -> None:
+    def _end_cancelled(self, job: Job, explicit: bool) -> None:
         job.finish_reason = "cancelled"
         self.metrics.cancelled()
         if explicit:  # the front door that started it still listens: give it a proper end
@@ -285,7 +267,7 @@ class Orchestrator:
         else:
             self._safe(job, lambda j: j.sink.close())
 
-    def _admit(self, jobs: list[_Job]) -> None:
+    def _admit(self, jobs: list[Job]) -> None:
         """Add the jobs just taken from the queue (no more than the free rows) to the engine."""
         if not jobs:
             return
@@ -317,11 +299,13 @@ class Orchestrator:
             job.output.extend(out.new_token_ids)
             if out.new_token_ids and job.first_token is None:
                 job.first_token = now
-            if out.finished:
-                job.finish_reason = out.finish_reason or "stop"
-            elif self._hit_stop_sequence(job, len(job.output) - len(out.new_token_ids)):
+            # a stop in this step's tokens wins over the engine's own end in the same step (length, EOS after it)
+            if self._hit_stop_sequence(job, len(job.output) - len(out.new_token_ids)):
                 job.finish_reason = "stop"
-                self.engine.cancel(job.key)
+                if not out.finished:
+                    self.engine.cancel(job.key)
+            elif out.finished:
+                job.finish_reason = out.finish_reason or "stop"
             self._count(job)
             if job.finish_reason:
                 del self._running[job.key]
@@ -333,9 +317,11 @@ class Orchestrator:
                     self.engine.cancel(job.key)
                     del self._running[job.key]
 
-    def _hit_stop_sequence(self, job: _Job, start: int) -> bool:
-        """Does a stop sequence end at a position >= start? Truncate the output after it."""
-        best = None
+    def _hit_stop_sequence(self, job: Job, start: int) -> bool:
+        """Does a stop sequence (ids) or a stop string (text, req.text_stop) end at a position >= start?
+        Truncate the output after the token that completes the first one: what follows is never sent nor counted."""
+        keep = job.req.text_stop(job.output, start) if job.req.text_stop is not None else None
+        best = None if keep is None else keep - 1
         for seq in job.req.stop_sequences:
             n = len(seq)
             for end in range(max(start, n - 1), len(job.output)):
@@ -347,12 +333,12 @@ class Orchestrator:
         del job.output[best + 1 :]
         return True
 
-    def _delivered(self, job: _Job) -> None:
+    def _delivered(self, job: Job) -> None:
         """The output up to its end has reached the client: count the part not counted yet."""
         self.metrics.delivered(len(job.output) - job.sent)
         job.sent = len(job.output)
 
-    def _count(self, job: _Job) -> None:
+    def _count(self, job: Job) -> None:
         s = job.stats
         now = (
             s.num_verify_steps,
@@ -367,7 +353,7 @@ class Orchestrator:
         if d[3] or d[4]:
             self.metrics.copied(d[3], d[4])
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         perf = None
         if job.req.sampling.return_perf_metrics:
             s, end = job.stats, time.perf_counter()
@@ -394,54 +380,3 @@ class Orchestrator:
         for job in list(self._running.values()):
             self._safe(job, lambda j: j.sink.error(message))
         self._running.clear()
-
-
-def load_engine_factory(
-    target_dir: str,
-    drafter_dir: str,
-    engine_backend: str = "torch",
-    max_batch: int = 16,
-    max_seq_len: int = 2048,
-    dtype: str = "auto",
-    draft_cutoff: float = 0.0,
-    draft_length: str = "block",
-    proposer: str = "dflash",
-) -> Callable[[], object]:
-    """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
-    failure). Missing or mismatched folders raise DFlashError naming the file; a proposer the engine
-    refuses (decoding/engine.py) fails at the first engine (Orchestrator(factory))."""
-    if engine_backend != "torch":
-        raise DFlashError(
-            f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
-            f"(TensorRT-LLM engines are served by their own backend)"
-        )
-    if max_batch < 1 or max_seq_len < 2:
-        raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
-    # deferred: the Triton text models import this module (through triton_dflash) and must not load torch and the engine
-    from dflash_trt.api import load_drafter, load_target
-    from dflash_trt.decoding.draft_length import check_cutoff, length_source
-    from dflash_trt.decoding.engine import SpecEngine
-
-    length_source(draft_length, check_cutoff(draft_cutoff))
-
-    target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
-    if not (target_dir / "config.json").is_file():
-        raise DFlashError(f"target_dir: {target_dir / 'config.json'} not found (expected a Hugging Face model folder)")
-    if not (drafter_dir / "config.json").is_file():
-        raise DFlashError(f"drafter_dir: {drafter_dir / 'config.json'} not found (expected a DFlash drafter folder)")
-    # pipeline's loaders also read FP8/NVFP4 (Model Optimizer layout) folders, dequantised on load
-    target = load_target(str(target_dir), dtype, progress=False)[0]
-    drafter = load_drafter(target, str(drafter_dir)).eval()
-    # cuda_graph off: under continuous batching the rows change almost every step and each change
-    # would recapture the graph (modeling/cuda_graph.py), costing more than replay saves
-    return functools.partial(
-        SpecEngine,
-        target,
-        drafter,
-        max_batch=max_batch,
-        max_seq_len=max_seq_len,
-        cuda_graph="off",
-        draft_cutoff=draft_cutoff,
-        draft_length=draft_length,
-        proposer=proposer,
-    )

@@ -2,12 +2,15 @@
 
 Boundary: the tensor-level contract of the model repository. Every model has
 `max_batch_size > 0` (tensorrtllm_backend convention), so each tensor carries a leading batch
-dimension, which must be 1 for generation requests: a client sends `text_input` as [1, 1],
-`input_ids` as [1, L]. Getters passed in here return the numpy array of an input or None.
+dimension: a client sends `text_input` as [B, 1] (B = 1 for the ensemble and the engine model,
+which advertise max_batch_size 1), `input_ids` as [1, L]. Getters passed in here return the
+numpy array of an input or None.
 
 Text front doors (`ensemble`, `dflash_bls`, `dflash_unary`) take TEXT_INPUTS; the engine model
 `dflash` takes TOKEN_INPUTS (ids instead of text, stop words as flattened token sequences, plus
-`request_key` / `cancel_key` so a front door can cancel what it started). Every bad field raises
+`request_key` / `cancel_key` so a front door can cancel what it started). `dflash_unary` and
+`dflash_bls` also serve requests of several rows (`batch_rows`): each row is its own generation.
+Stop words are text for every model (serving/stops.py). Every bad field raises
 RequestError naming the field; the caller turns it into an error response for that request only.
 """
 
@@ -23,6 +26,7 @@ from dflash_trt.config import SamplingParams
 from dflash_trt.decoding import stats as decode_stats
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.text import split_stop_sequences
+from dflash_trt.serving.trtllm_inputs import TRTLLM_INPUTS, logit_controls
 
 Getter = Callable[[str], np.ndarray | None]
 
@@ -40,6 +44,7 @@ TEXT_INPUTS = {
     "exclude_input_in_output": ("TYPE_BOOL", False),
     "return_perf_metrics": ("TYPE_BOOL", False),
     "apply_chat_template": ("TYPE_BOOL", False),
+    **{k: (t, False) for k, t in TRTLLM_INPUTS.items()},  # tensorrtllm_backend's extra inputs
 }
 # the acceptance statistics every text front door returns (acceptance_* FP32, the counts integers)
 STAT_OUTPUTS = (
@@ -99,6 +104,37 @@ def _bool(get: Getter, name: str, default):
     return default if v is None else bool(v)
 
 
+def batch_rows(get: Getter, first: str) -> list[Getter]:
+    """A request whose inputs carry B rows (batch dimension B, as `first` shows) as B getters of
+    one row each; Triton has checked that every input has the same batch dimension."""
+    a = get(first)
+    n = np.asarray(a).shape[0] if a is not None and np.asarray(a).ndim else 1
+    if n <= 1:
+        return [get]
+    cache: dict[str, np.ndarray | None] = {}
+
+    def row(i: int) -> Getter:
+        def g(name: str):
+            if name not in cache:
+                cache[name] = get(name)
+            v = cache[name]
+            return v[i : i + 1] if v is not None and np.asarray(v).ndim and len(v) == n else v
+
+        return g
+
+    return [row(i) for i in range(n)]
+
+
+def parse_stop_words(get: Getter) -> list[str]:
+    """stop_words: STRING [1, K]; empty strings pad a batch whose rows have fewer words."""
+    return [w for w in _strings(get, "stop_words") if w]
+
+
+def parse_bad_words(get: Getter) -> list[str]:
+    """bad_words: STRING [1, K], tensorrtllm_backend's text form (the front doors make them token ids)."""
+    return [w for w in _strings(get, "bad_words") if w]
+
+
 @dataclass
 class Sampling:
     """Fields shared by both request kinds, validated with the messages users see."""
@@ -111,6 +147,12 @@ class Sampling:
     seed: int | None = None
     end_id: int | None = None  # replaces the model's EOS; -1 = never stop on EOS
     return_perf_metrics: bool = False
+    # tensorrtllm_backend's logit controls (serving/trtllm_inputs.py), SamplingParams' defaults = off
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def to_params(self, stop_token_ids=()) -> SamplingParams:
         stops = tuple(stop_token_ids)
@@ -125,6 +167,11 @@ class Sampling:
             stop_token_ids=stops,
             seed=self.seed,
             ignore_eos=ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_tokens=self.min_tokens,
+            bad_words_ids=self.bad_words_ids,
         )
 
 
@@ -143,7 +190,11 @@ def parse_sampling(get: Getter) -> Sampling:
         seed=_int(get, "seed", None),
         end_id=_int(get, "end_id", None),
         return_perf_metrics=_bool(get, "return_perf_metrics", False),
+        **logit_controls(get, _one, RequestError),
     )
+    ids = get("bad_words_ids")  # the engine model's form; text models send `bad_words` (strings)
+    if ids is not None:
+        s.bad_words_ids = tuple(tuple(w) for w in split_stop_sequences(np.asarray(ids).reshape(-1)))
     if not np.isfinite(s.temperature) or s.temperature < 0:
         raise RequestError(  # SamplingParams' rule, said before the request reaches the engine
             f"temperature={s.temperature}: must be a finite number >= 0 "
@@ -155,6 +206,10 @@ def parse_sampling(get: Getter) -> Sampling:
         raise RequestError(f"top_p={s.top_p}: must be in (0, 1] (1 disables top-p)")
     if s.end_id is not None and s.end_id < -1:
         raise RequestError(f"end_id={s.end_id}: must be a token id, or -1 to ignore EOS")
+    try:  # the logit controls' rules are SamplingParams' (config.py); its messages name the field
+        s.to_params()
+    except DFlashError as e:
+        raise RequestError(str(e)) from None
     return s
 
 
@@ -165,6 +220,7 @@ class TextRequest:
     stop_words: list[str] = field(default_factory=list)
     exclude_input_in_output: bool = True
     apply_chat_template: bool | None = None  # None: the model's default
+    bad_words: list[str] = field(default_factory=list)  # text; the front door makes them token ids
 
 
 def parse_prompt(get: Getter) -> tuple[str, list[str], bool | None]:
@@ -175,12 +231,13 @@ def parse_prompt(get: Getter) -> tuple[str, list[str], bool | None]:
     text = _str(v, "text_input")
     if not text:
         raise RequestError("text_input: empty prompt")
-    return text, _strings(get, "stop_words"), _bool(get, "apply_chat_template", None)
+    return text, parse_stop_words(get), _bool(get, "apply_chat_template", None)
 
 
 def parse_text_request(get: Getter) -> TextRequest:
     text, stop_words, chat = parse_prompt(get)
-    return TextRequest(text, parse_sampling(get), stop_words, _bool(get, "exclude_input_in_output", True), chat)
+    s = parse_sampling(get)
+    return TextRequest(text, s, stop_words, _bool(get, "exclude_input_in_output", True), chat, parse_bad_words(get))
 
 
 @dataclass
@@ -190,6 +247,9 @@ class TokenRequest:
     stop_sequences: list[list[int]] = field(default_factory=list)
     request_key: str | None = None
     exclude_input_in_output: bool = True  # False: output_ids start with the prompt ids (TensorRT-LLM style)
+    stop_words: list[str] = field(default_factory=list)  # text stop strings (serving/stops.py)
+    # the engine model's matcher of stop_words: (output ids, ids checked before) -> ids to keep, or None
+    text_stop: Callable[[list[int], int], int | None] | None = None
 
 
 @dataclass
@@ -219,6 +279,7 @@ def parse_token_request(get: Getter) -> TokenRequest | CancelRequest:
         stop_sequences,
         _str(key, "request_key") if key is not None else None,
         _bool(get, "exclude_input_in_output", True),
+        parse_stop_words(get),
     )
 
 
@@ -246,11 +307,15 @@ class Progress:
         return decode_stats.tau(self.num_accepted_draft_tokens, self.num_verify_steps)
 
 
-def token_outputs(p: Progress, prefix_ids=()) -> dict[str, np.ndarray]:
+def token_outputs(p: Progress, prefix_ids=(), stop_words=()) -> dict[str, np.ndarray]:
     """Tensors of one engine response; prefix_ids (the prompt) lead output_ids when given, and
-    num_prev_tokens then counts them too (after the first response)."""
+    num_prev_tokens then counts them too (after the first response). `stop_words` and
+    `num_echoed_tokens` repeat what the ensemble's postprocessing needs to cut the text: Triton
+    refuses an ensemble step that mixes ensemble inputs with a decoupled step's outputs."""
     prefix = list(prefix_ids)
     return {
+        "stop_words": np.array([[w.encode() for w in stop_words] or [b""]], dtype=object),
+        "num_echoed_tokens": np.array([[len(prefix)]], dtype=np.int32),
         "output_ids": np.array([prefix + p.output_ids], dtype=np.int32).reshape(1, -1),
         "num_prev_tokens": np.array([[p.num_prev + len(prefix) if p.num_prev else 0]], dtype=np.int32),
         "finish_reason": np.array([[p.finish_reason.encode()]], dtype=object),

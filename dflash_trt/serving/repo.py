@@ -8,7 +8,7 @@ into place, so a failed fill never leaves a half-written repository.
 
 Placeholders: target_dir, drafter_dir, tokenizer_dir, engine_backend, max_batch, max_seq_len,
 dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads,
-draft_cutoff, draft_length, proposer, max_queue (`default_values()`).
+draft_cutoff, draft_length, proposer, max_queue, decoupled (`default_values()`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dflash_trt.atomic import atomic_dir
 from dflash_trt.errors import DFlashError
-from dflash_trt.serving.orchestrator import DEFAULT_MAX_QUEUE
+from dflash_trt.serving.jobs import DEFAULT_MAX_QUEUE
 from dflash_trt.serving.text import read_chat_template
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -66,8 +66,9 @@ def default_values(
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
         "draft_cutoff": 0.0,  # decoding/draft_length.py; 0 = verify every draft
         "draft_length": "block",  # block | confidence | cost: decoding/draft_length.py
-        "proposer": "dflash",  # dflash | ngram | hybrid: where the drafts come from (decoding/engine.py PROPOSERS)
+        "proposer": "dflash",  # dflash | ngram | hybrid | tree: where drafts come from (decoding/proposal.py)
         "max_queue": DEFAULT_MAX_QUEUE,  # requests waiting for admission before new ones are refused (overloaded)
+        "decoupled": True,  # false: a unary engine model, so the ensemble is unary (HTTP / ModelInfer)
     }
     unknown = set(overrides) - set(values)
     if unknown:

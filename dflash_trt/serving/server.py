@@ -4,7 +4,16 @@ Boundary: process management only. `find_tritonserver()` picks the binary (a sys
 `tritonserver` on PATH — GPU host / NGC container — else the one bundled in the PyPI package
 `nvidia-pytriton`); `TritonServer` prepares the Python-backend directory and the environment the
 backend stub needs, starts the server, waits for `/v2/health/ready`, and always stops it
-(context exit + atexit; SIGTERM, then SIGKILL). `serve()` is the blocking `dflash-trt serve`.
+(context exit + atexit). `serve()` is the blocking `dflash-trt serve`.
+
+Stopping (issue #30): Triton on SIGTERM refuses every new request, internal ones too (the
+ensemble's next step, a front door's cancel), and waits for in-flight requests before it unloads
+models; but only the engine model can end a long generation, and it hears nothing of the SIGTERM.
+So `stop()` first writes the drain file (serving/drain.py): the engine model refuses new requests
+and ends those still running after the grace period with "server is shutting down". Once its
+metrics show none left, SIGTERM; Triton's --exit-timeout-secs covers the models' unload, SIGKILL
+only after that. The Python backend's shared-memory regions carry a per-run prefix, so the ones
+a killed run leaves in /dev/shm are removed, and no one else's.
 
 Environment facts the bundled server needs (measured with nvidia-pytriton 0.7.0 / Triton 2.51):
   * the Python-backend stub embeds libpython and runs isolated: PYTHONPATH is ignored and it
@@ -20,7 +29,10 @@ Environment facts the bundled server needs (measured with nvidia-pytriton 0.7.0 
 from __future__ import annotations
 
 import atexit
+import math
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -35,8 +47,14 @@ import urllib.request
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.drain import DRAIN_ENV, write_drain_file
 
 HOST = "127.0.0.1"
+DEFAULT_GRACE_PERIOD = 10.0  # seconds in-flight requests may still run after a stop
+UNLOAD_MARGIN = 30  # seconds Triton gets beyond the grace to unload: the engine loop may be mid-step
+KILL_MARGIN = 10  # seconds past Triton's own exit timeout before SIGKILL
+DRAIN_MARGIN = 5  # seconds past the grace to wait for the engine's last requests (a step in progress) to end
+SHM_DIR = Path("/dev/shm")
 
 
 class ServerError(DFlashError):
@@ -89,7 +107,13 @@ class TritonServer:
         log_verbose: int = 0,
         binary: str | Path | None = None,
         extra_args: list[str] | None = None,
+        grace_period: float = DEFAULT_GRACE_PERIOD,
     ):
+        if not isinstance(grace_period, (int, float)) or not 0 <= grace_period < 86400:
+            raise ServerError(
+                f"grace_period={grace_period!r}: must be 0 or more seconds (how long in-flight requests "
+                "may still run once the server is asked to stop)"
+            )
         self.model_repo = Path(model_repo).resolve()
         if not self.model_repo.is_dir():
             raise ServerError(f"model repository {self.model_repo}: not a folder (fill one with fill_model_repo)")
@@ -100,7 +124,14 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.binary = Path(binary) if binary else find_tritonserver()
         self.extra_args = list(extra_args or [])
+        self.grace_period = float(grace_period)
+        # Triton's own wait on stop: the models' unload, plus the grace in case the engine's metrics were unreadable
+        self.exit_timeout = math.ceil(self.grace_period) + UNLOAD_MARGIN
+        # this run's Python-backend shared-memory regions: /dev/shm/<prefix><uuid>, so they can be told apart
+        self.shm_prefix = f"dflash_{os.getpid()}_{secrets.token_hex(4)}_"
         self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None  # tritonserver's, once stopped
+        self.stop_log_tail = ""  # the log tail of a run that did not exit 0 (its log folder is removed)
         self._workdir: Path | None = None
         self.log_path: Path | None = None
         self._log = None
@@ -148,7 +179,12 @@ class TritonServer:
             libs.append(env["LD_LIBRARY_PATH"])
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
         env.pop("PYTHONPATH", None)  # ignored by the isolated stub anyway; avoid confusing the server
+        env[DRAIN_ENV] = str(self.drain_path)  # the stubs inherit the server's environment
         return env
+
+    @property
+    def drain_path(self) -> Path | None:
+        return None if self._workdir is None else self._workdir / "drain"
 
     def command(self, backend_args: list[str]) -> list[str]:
         return [
@@ -161,9 +197,10 @@ class TritonServer:
             f"--metrics-address={HOST}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={self.exit_timeout}",
             "--strict-readiness=true",
             f"--log-verbose={self.log_verbose}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *backend_args,
             *self.extra_args,
         ]
@@ -227,13 +264,31 @@ class TritonServer:
         head = [ln for ln in errors[-20:] if ln not in tail]
         return "\n".join(head + (["..."] if head else []) + tail)
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the server (its process group), SIGKILL after `timeout`; idempotent."""
+    def hurry(self) -> None:
+        """During stop(): end the grace period now (in-flight requests get their error at once)."""
+        if self.drain_path is not None and self.drain_path.exists():
+            write_drain_file(self.drain_path, 0.0)
+
+    def stop(self) -> None:
+        """Drain, then stop: the engine model refuses new requests and ends those still running after
+        grace_period seconds with an error; once it has none left, SIGTERM lets Triton unload the models
+        and exit; SIGKILL (the whole group) only if it has not exited within its exit timeout plus a
+        margin. Removes this run's leftover shared memory and temp folder; idempotent."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                write_drain_file(self.drain_path, self.grace_period)
+                # before the SIGTERM: Triton then refuses every new request, also the ensemble's next
+                # postprocessing step and a front door's cancel, so the streams in flight could not end
+                self._wait_drained(proc, self.grace_period + DRAIN_MARGIN)
+            except OSError:  # the temp folder is gone: Triton's own exit timeout still bounds the wait
+                pass
+            for sig, wait in ((signal.SIGTERM, self.exit_timeout + KILL_MARGIN), (signal.SIGKILL, 10.0)):
                 try:
-                    os.killpg(proc.pid, sig)
+                    if sig == signal.SIGTERM:  # the server alone: it stops its backend stubs itself, in order
+                        proc.send_signal(sig)
+                    else:
+                        os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     break
                 try:
@@ -246,6 +301,10 @@ class TritonServer:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            self.returncode = proc.poll()
+            self._remove_shared_memory()
+            if self.returncode != 0:
+                self.stop_log_tail = self.log_tail()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -253,6 +312,31 @@ class TritonServer:
         if self._workdir is not None and not os.environ.get("DFLASH_KEEP_TRITON_LOGS"):
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+    def _engine_requests(self) -> int | None:
+        """Requests the engine model still runs or queues (its metrics); None without any to read."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        counts = re.findall(r"^dflash_(?:running|queued)_requests\{[^}]*\} (\S+)$", text, re.M)
+        return round(sum(float(c) for c in counts)) if counts else None
+
+    def _wait_drained(self, proc: subprocess.Popen, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            left = self._engine_requests()
+            if not left:  # none left (or no engine model): the front doors' last relays take a moment
+                time.sleep(0.5)
+                return
+            time.sleep(0.2)
+
+    def _remove_shared_memory(self) -> None:
+        """Remove the /dev/shm regions named with this run's prefix (a clean exit leaves none; a killed
+        server or stub leaves its own); other servers' regions are not touched."""
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*") if SHM_DIR.is_dir() else []:
+            region.unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -269,27 +353,47 @@ def serve(
     startup_timeout: float = 600.0,
     log_verbose: int = 0,
     echo=print,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    on_ready=None,
 ) -> int:
-    """`dflash-trt serve`: run tritonserver on loopback until Ctrl-C / SIGTERM; returns its exit code."""
-    srv = TritonServer(model_repo, grpc_port, http_port, metrics_port, startup_timeout, log_verbose)
+    """`dflash-trt serve`: run tritonserver on loopback until Ctrl-C / SIGTERM, then drain (requests in
+    flight get `grace_period` seconds; a second signal ends them at once) and stop; returns 0 when
+    tritonserver exited cleanly, else 1. on_ready(server) -> str runs once the server is ready (e.g.
+    the OpenAI API starts listening) and its text is added to the ready line."""
+    srv = TritonServer(
+        model_repo, grpc_port, http_port, metrics_port, startup_timeout, log_verbose, grace_period=grace_period
+    )
     stop = {"now": False}
 
     def _on_signal(signum, frame):
+        if stop["now"]:  # a second Ctrl-C / SIGTERM while draining: no more grace
+            srv.hurry()
         stop["now"] = True
 
     main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _on_signal) if main else None
+    # Ctrl-C drains too (not a KeyboardInterrupt): the same clean stop as SIGTERM
+    old = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
         with srv:
-            echo(f"ready: gRPC {srv.grpc_url}  HTTP {srv.http_url}  metrics {srv.metrics_url}  (log {srv.log_path})")
+            extra = on_ready(srv) if on_ready is not None else ""
+            urls = f"gRPC {srv.grpc_url}  HTTP {srv.http_url}  metrics {srv.metrics_url}{extra}"
+            echo(f"ready: {urls}  (log {srv.log_path})")
             while not stop["now"]:
                 if srv.proc is None or srv.proc.poll() is not None:
                     echo(f"tritonserver exited; log tail:\n{srv.log_tail()}")
                     return 1
                 time.sleep(0.5)
-    except KeyboardInterrupt:
+            echo(
+                f"stopping: requests in flight have {srv.grace_period:g} s to finish "
+                "(Ctrl-C / SIGTERM again to end them now)"
+            )
+            srv.stop()
+    except KeyboardInterrupt:  # not the main thread: no handler of ours; the context exit drains
         pass
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if srv.returncode not in (0, None):
+        echo(f"tritonserver exited with code {srv.returncode} while stopping; log tail:\n{srv.stop_log_tail}")
+        return 1
     return 0

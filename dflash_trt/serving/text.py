@@ -14,7 +14,9 @@ really produced stays U+FFFD, as in the non-streamed text). Each chunk is the di
 consecutive released texts, so the chunks concatenate to decode(all ids) exactly for any decoder
 whose stable text only grows (byte-level BPE, SentencePiece with byte fallback).
 `text_delta()` computes a chunk statelessly from the cumulative ids (the ensemble's
-postprocessing); `StreamDetokenizer` does the same with the released text kept in memory.
+postprocessing); `StreamDetokenizer` does the same with the released text kept in memory. With
+stop strings (serving/stops.py) the released text is also cut before the first stop string and,
+until the final response, holds back a tail that may be the start of one: it still only grows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_trt.errors import CheckpointError, DFlashError
+from dflash_trt.serving.stops import clean_stops, cut
 
 REPLACEMENT = "\ufffd"
 
@@ -171,27 +174,50 @@ class LightTokenizer:
         )
 
 
-def text_delta(codec: TextCodec, ids: Sequence[int], num_prev: int, final: bool) -> str:
-    """The chunk for a response holding all `ids` so far, `num_prev` of which earlier responses
-    covered. Stateless: recomputes what was released before from ids[:num_prev]."""
-    before = codec.stable(ids[:num_prev]) if num_prev else ""
+def released_text(codec: TextCodec, ids: Sequence[int], final: bool, stops: Sequence[str] = (), start: int = 0):
+    """(text a client may have seen after these ids, whether a stop string ended it). Stop strings
+    are searched from character `start` on (the echoed prompt's text is not searched)."""
     now = codec.decode(ids) if final else codec.stable(ids)
+    return cut(now, stops, final, start)
+
+
+def text_delta(
+    codec: TextCodec, ids: Sequence[int], num_prev: int, final: bool, stops: Sequence[str] = (), num_prompt: int = 0
+) -> str:
+    """The chunk for a response holding all `ids` so far, `num_prev` of which earlier responses
+    covered. Stateless: recomputes what was released before from ids[:num_prev]. With stop
+    strings, ids[:num_prompt] (an echoed prompt) are not searched for them."""
+    start = len(codec.stable(ids[:num_prompt])) if stops and num_prompt else 0
+    before = released_text(codec, ids[:num_prev], False, stops, start)[0] if num_prev else ""
+    now, stopped = released_text(codec, ids, final, stops, start)
+    final = final or stopped
     return now[len(before) :] if now.startswith(before) else (now[len(before) :] if final else "")
 
 
 class StreamDetokenizer:
-    """Stateful per-request version of text_delta: feed new ids, get the text chunk to send."""
+    """Stateful per-request version of text_delta: feed new ids, get the text chunk to send.
+    After `watch(stops)`, text from then on is cut at the first stop string (`stopped` turns
+    True) and, until the final chunk, the possible start of a stop string is held back."""
 
     def __init__(self, codec: TextCodec):
         self.codec = codec
         self.ids: list[int] = []
         self.released = ""
+        self.stops: tuple[str, ...] = ()
+        self.start = 0
+        self.stopped = False
+
+    def watch(self, stops: Sequence[str]) -> None:
+        """Search the text released from now on (not an echoed prompt before) for these stops."""
+        self.stops, self.start = clean_stops(stops), len(self.released)
 
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
         self.ids.extend(int(t) for t in new_ids)
-        now = self.codec.decode(self.ids) if final else self.codec.stable(self.ids)
+        now, self.stopped = released_text(self.codec, self.ids, final, self.stops, self.start)
         if not now.startswith(self.released):  # a decoder whose stable text shrank: wait for the end
-            if not final:
+            if not (final or self.stopped):
                 return ""
         delta = now[len(self.released) :]
         self.released = now

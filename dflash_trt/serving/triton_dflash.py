@@ -1,12 +1,18 @@
-"""Triton Python-backend model `dflash`: the decoupled engine model (token ids in, ids out).
+"""Triton Python-backend model `dflash`: the engine model (token ids in, ids out); decoupled (one
+response per step when streaming), or unary in a `decoupled: false` build (one response per request,
+which makes the ensemble over it unary too).
 
 Boundary: glue between pb_utils and the Orchestrator; imported only inside the backend stub
 (model_repo/dflash/1/model.py re-exports TritonPythonModel). Model parameters: target_dir,
 drafter_dir, engine_backend, max_batch, max_seq_len, dtype, cpu_threads, draft_cutoff, draft_length, proposer,
-max_queue (requests waiting for a free batch row before new ones get an "overloaded, retry later" error).
+max_queue (requests waiting for a free batch row before new ones get an "overloaded, retry later" error),
+tokenizer_dir (to match text `stop_words`: the request ends at the token that completes one, serving/stops.py).
 Every request gets its own response sender; `execute` only parses and queues, the orchestrator's thread sends. A
 request holding only `cancel_key` cancels the running request whose `request_key` matches (how the text front doors
 propagate a client's disconnect, since BLS response iterators cannot be cancelled in Triton 2.51).
+Shutdown: Triton unloads the model (finalize) only once every request has ended, so the orchestrator polls
+the drain file of $DFLASH_DRAIN_FILE (serving/server.py writes it before its SIGTERM) and ends the requests
+still running after the grace period with "server is shutting down"; finalize then joins its threads.
 Custom metrics: dflash_requests_total, dflash_draft_steps_total, dflash_draft_tokens_total,
 dflash_accepted_tokens_total, dflash_output_tokens_total (tokens delivered to clients), dflash_cancelled_requests_total,
 dflash_copied_draft_tokens_total, dflash_accepted_copied_tokens_total (the drafts copied from the
@@ -23,14 +29,27 @@ dflash_predicted_at_position_total{position="i"} (the head's summed predictions 
 from __future__ import annotations
 
 import json
+import logging
 
 import triton_python_backend_utils as pb_utils
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.serving.orchestrator import DEFAULT_MAX_QUEUE, Orchestrator, load_engine_factory
-from dflash_trt.serving.protocol import CancelRequest, RequestError, TokenRequest, parse_token_request, token_outputs
+from dflash_trt.serving.drain import drain_signal_from_env
+from dflash_trt.serving.engine_factory import load_engine_factory
+from dflash_trt.serving.jobs import DEFAULT_MAX_QUEUE, GRACE_EXPIRED
+from dflash_trt.serving.orchestrator import Orchestrator
+from dflash_trt.serving.protocol import (
+    CancelRequest,
+    RequestError,
+    TokenRequest,
+    parse_token_request,
+    token_outputs,
+)
+from dflash_trt.serving.stops import TextStop
+from dflash_trt.serving.text import TextCodec
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("dflash_trt.serving")
 
 
 def input_getter(request):
@@ -52,25 +71,52 @@ def model_parameters(args) -> tuple[dict[str, str], dict]:
 
 
 class _Sink:
-    """Orchestrator sink over one request's InferenceResponseSender."""
+    """Orchestrator sink over one request's InferenceResponseSender (a unary model's too: exactly one
+    response, flagged FINAL, per request)."""
 
-    def __init__(self, sender, requested: set[str]):
-        self.sender, self.requested = sender, requested
+    def __init__(self, sender, requested: set[str], decoupled: bool = True):
+        self.sender, self.requested, self.decoupled = sender, requested, decoupled
         self.prefix: list[int] = []  # prompt ids to prepend (exclude_input_in_output false)
+        self.stop_words: list[str] = []  # echoed for the ensemble's postprocessing
+        self.streamed = False  # a response went out already
+        self.keyed = False  # the request has a request_key: a text front door's BLS call (or a keyed client)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
 
     def send(self, progress, final: bool) -> None:
-        outs = token_outputs(progress, self.prefix)
+        outs = token_outputs(progress, self.prefix, self.stop_words)
         tensors = [pb_utils.Tensor(k, v) for k, v in outs.items() if not self.requested or k in self.requested]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+        self.streamed = True
 
     def error(self, message: str) -> None:
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message)), flags=FINAL)
+        if self.decoupled and self.streamed and self.keyed:
+            # Triton 2.51 (measured): an error response that follows data responses never reaches a BLS
+            # caller (the text front doors, which key their requests): flagged FINAL its response iterator
+            # hangs, unflagged the error is dropped, and either way the calling model can no longer unload,
+            # so the server cannot stop. The bare FINAL flag ends the stream; the front door answers "no
+            # final response" with engine_ended_early_message(). (A gRPC client or the ensemble gets the
+            # error response fine.)
+            log.warning("request ended after streaming: %s", message)
+            self.sender.send(flags=FINAL)
+        else:
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message)), flags=FINAL)
 
     def close(self) -> None:
-        self.sender.send(flags=FINAL)
+        if self.decoupled:
+            self.sender.send(flags=FINAL)
+        else:  # a unary request must get one response
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+
+def engine_ended_early_message() -> str:
+    """For a text front door whose engine response stream ended with no final response (_Sink.error): what
+    to tell its client."""
+    poll = drain_signal_from_env()
+    if poll is not None and poll() is not None:
+        return GRACE_EXPIRED
+    return "the engine ended the request without a final response (see the server log)"
 
 
 class _Metrics:
@@ -204,11 +250,10 @@ class _Metrics:
 class TritonPythonModel:
     def initialize(self, args):
         params, cfg = model_parameters(args)
-        if not pb_utils.using_decoupled_model_transaction_policy(cfg):
-            raise pb_utils.TritonModelException(
-                "dflash: config.pbtxt must set model_transaction_policy "
-                "{ decoupled: true } (responses stream per step)"
-            )
+        # decoupled: false (a `decoupled: false` build) makes a unary engine, so the ensemble over it is unary
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        self.tokenizer_dir = params.get("tokenizer_dir", "")
+        self._codec = None  # for text stop_words, loaded on first use
         threads = int(params.get("cpu_threads", "0") or 0)
         if threads > 0:  # on a busy CPU host, few threads beat OpenMP's spinning barriers by far
             # deferred: the Triton text models import this module and must not load torch
@@ -230,7 +275,11 @@ class TritonPythonModel:
             # the first engine: a drafter the options do not fit (draft_length=confidence without a
             # confidence head, proposer=hybrid with a DFlash 2 drafter) fails here, at load, with the
             # engine's one-line message
-            self.orch = Orchestrator(factory, max_queue=int(params.get("max_queue", "") or DEFAULT_MAX_QUEUE))
+            self.orch = Orchestrator(
+                factory,
+                max_queue=int(params.get("max_queue", "") or DEFAULT_MAX_QUEUE),
+                drain_signal=drain_signal_from_env(),
+            )
         except (DFlashError, ValueError) as e:
             raise pb_utils.TritonModelException(f"dflash: cannot load the engine: {e}") from None
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -239,12 +288,18 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = _Sink(request.get_response_sender(), set(request.requested_output_names()))
+            sink = _Sink(request.get_response_sender(), set(request.requested_output_names()), self.decoupled)
             try:
                 req = parse_token_request(input_getter(request))
-            except RequestError as e:
+                if isinstance(req, TokenRequest):
+                    self._check_stream(req)
+                    req.text_stop = self._text_stop(req.stop_words)
+                    sink.stop_words = req.stop_words
+            except (RequestError, DFlashError) as e:
                 sink.error(str(e))
                 continue
+            if isinstance(req, TokenRequest):
+                sink.keyed = bool(req.request_key)
             if isinstance(req, TokenRequest) and not req.exclude_input_in_output:
                 sink.prefix = list(req.prompt_ids)
             if isinstance(req, CancelRequest):
@@ -253,6 +308,23 @@ class TritonPythonModel:
             else:
                 self.orch.submit(req, sink)
         return None
+
+    def _check_stream(self, req: TokenRequest) -> None:
+        if req.sampling.stream and not self.decoupled:
+            raise RequestError(
+                "stream: this server's models are unary (built with decoupled: false) and answer once; "
+                "send stream false, or rebuild with decoupled: true to stream"
+            )
+
+    def _text_stop(self, words: list[str]):
+        """The request's stop-string matcher (serving/stops.py), or None without stop words."""
+        if not words:
+            return None
+        if self._codec is None:
+            if not self.tokenizer_dir:
+                raise RequestError("stop_words: the dflash model has no tokenizer_dir parameter to match text with")
+            self._codec = TextCodec.from_dir(self.tokenizer_dir)
+        return TextStop(self._codec, words).match
 
     def finalize(self):
         self.orch.stop()

@@ -3,13 +3,18 @@ steps) and the text front doors `dflash_bls` (decoupled) / `dflash_unary` (not d
 
 Boundary: glue between pb_utils and serving/text.py; imported only inside the backend stub.
 Parameters: tokenizer_dir, apply_chat_template (the default when a request does not say),
-engine_model (BLS only; default "dflash").
+engine_model (BLS only; default "dflash"), engine_decoupled (BLS only; "false" when the build made
+the engine model unary, so it is called with one response per request).
 
-The front doors tokenize in-process, run the `dflash` engine model through BLS (always asking it
-to stream, so a client's disconnect is noticed within one step), detokenise with a per-request
-StreamDetokenizer, and answer with the TEXT_OUTPUTS of serving/protocol.py. On a cancelled
-client they send `dflash` a `cancel_key` request, since BLS response iterators have no cancel
-in Triton 2.51. `dflash_unary` waits for all requests of a dynamic batch in parallel threads.
+The front doors tokenize in-process, run the `dflash` engine model through BLS (asking a
+decoupled engine to stream, so a client's disconnect is noticed within one step), detokenise with
+a per-request StreamDetokenizer, and answer with the TEXT_OUTPUTS of serving/protocol.py. On a
+cancelled client they send `dflash` a `cancel_key` request, since BLS response iterators have no
+cancel in Triton 2.51. Both answer every request through its response sender as soon as it is
+done (`execute` returns None), so a short request never waits for a long one of its dynamic batch.
+A request of several rows (batch dimension > 1) runs each row as its own generation and gets one
+response with the rows in order. Stop strings (`stop_words`) are text (serving/stops.py): the
+engine ends the request at the token completing one, the text is cut before it.
 """
 
 from __future__ import annotations
@@ -25,13 +30,24 @@ from dflash_trt.serving.protocol import (
     Progress,
     RequestError,
     TextRequest,
+    batch_rows,
+    parse_bad_words,
     parse_prompt,
+    parse_stop_words,
     parse_text_request,
     progress_from,
     text_outputs,
 )
-from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, text_delta
-from dflash_trt.serving.triton_dflash import FINAL, input_getter, model_parameters, triton_error
+from dflash_trt.serving.stops import clean_stops
+from dflash_trt.serving.text import StreamDetokenizer, TextCodec, text_delta
+from dflash_trt.serving.triton_dflash import (
+    FINAL,
+    engine_ended_early_message,
+    input_getter,
+    model_parameters,
+    triton_error,
+)
+from dflash_trt.serving.trtllm_inputs import ENGINE_FORWARDED, bad_word_variants, flatten_words
 
 _ENGINE_OUTPUTS = [
     "output_ids",
@@ -58,8 +74,8 @@ def _response(outputs: dict) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
 
-def _error_response(message: str) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message))
+def _error_response(message: str, code: str = "INVALID_ARG") -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message, code))
 
 
 def _respond_each(requests, outputs, errors: tuple[type[Exception], ...], prefix: str = "") -> list:
@@ -76,7 +92,8 @@ def _respond_each(requests, outputs, errors: tuple[type[Exception], ...], prefix
 
 
 class PreprocessingModel:
-    """text_input (+ stop_words, apply_chat_template) -> input_ids, stop_sequences."""
+    """text_input (+ apply_chat_template, bad_words) -> input_ids, bad_words_ids (each bad word's
+    token ids, alone and after a space). Stop words go to the engine as text (serving/stops.py)."""
 
     def initialize(self, args):
         self.codec, _, _ = _load_codec(args)
@@ -85,15 +102,15 @@ class PreprocessingModel:
         return _respond_each(requests, self._encode, (DFlashError,))
 
     def _encode(self, get) -> dict:
-        text, stop_words, chat = parse_prompt(get)
-        ids = self.codec.encode(text, chat)
-        stops = join_stop_sequences(self.codec.encode_stop_words(stop_words))
-        return {"input_ids": np.array([ids], np.int32), "stop_sequences": np.array([stops], np.int32).reshape(1, -1)}
+        text, _, chat = parse_prompt(get)
+        bad = self.codec.encode_stop_words(bad_word_variants(parse_bad_words(get)))
+        return {"input_ids": np.array([self.codec.encode(text, chat)], np.int32), "bad_words_ids": flatten_words(bad)}
 
 
 class PostprocessingModel:
-    """One engine response (cumulative output_ids, num_prev_tokens, finish_reason) -> the text
-    chunk it adds; stateless, so streamed chunks through the ensemble concatenate exactly."""
+    """One engine response (cumulative output_ids, num_prev_tokens, finish_reason; stop_words and
+    num_echoed_tokens, to know what to cut) -> the text chunk it adds;
+    stateless, so streamed chunks through the ensemble concatenate exactly."""
 
     def initialize(self, args):
         self.codec, _, _ = _load_codec(args)
@@ -103,68 +120,113 @@ class PostprocessingModel:
 
     def _decode(self, get) -> dict:
         p = progress_from(get)
-        text = text_delta(self.codec, p.output_ids, p.num_prev, final=bool(p.finish_reason))
+        stops = clean_stops(parse_stop_words(get))
+        echoed = get("num_echoed_tokens")  # prompt ids leading output_ids (exclude_input_in_output false)
+        num_echoed = int(np.asarray(echoed).reshape(-1)[0]) if echoed is not None else 0
+        text = text_delta(self.codec, p.output_ids, p.num_prev, bool(p.finish_reason), stops, num_echoed)
         return {"text_output": np.array([[text.encode("utf-8")]], dtype=object)}
 
 
 class _Answer:
-    """Where a front door's results go: a decoupled sender, or one slot of a unary batch."""
+    """The one request's responses, through its response sender (decoupled or not: Triton 2.51's
+    Python backend lets a non-decoupled model answer through the sender too, exactly one response
+    flagged FINAL, with `execute` returning None; so each request is answered when it is done,
+    not when the slowest request of its dynamic batch is). A request of B rows generates them in
+    parallel; a streamed request (one row) sends each chunk, else the rows' final outputs go out
+    together in row order."""
 
-    def __init__(self, sender=None, request=None):
-        self.sender, self.request = sender, request
-        self.response = None
+    def __init__(self, sender, request, rows: int, stream: bool, decoupled: bool):
+        self.sender, self.request, self.stream, self.decoupled = sender, request, stream, decoupled
+        self.rows: list[dict | None] = [None] * rows
+        self.done = False
+        self.lock = threading.Lock()
 
     def is_cancelled(self) -> bool:
+        if self.done:  # another row failed: stop this one too
+            return True
         try:
-            return (self.sender or self.request).is_cancelled()
+            return self.sender.is_cancelled()
         except Exception:
-            return False
+            try:
+                return self.request.is_cancelled()
+            except Exception:
+                return False
 
-    def send(self, outputs: dict | None, final: bool) -> None:
-        if self.sender is None:
-            self.response = _response(outputs) if outputs is not None else _error_response("request cancelled")
-        elif outputs is None:
-            self.sender.send(flags=FINAL)
-        else:
-            self.sender.send(_response(outputs), flags=FINAL if final else 0)
+    def chunk(self, row: int, outputs: dict, final: bool) -> None:
+        with self.lock:
+            if self.done:
+                return
+            if self.stream:
+                self.done = final
+                self.sender.send(_response(outputs), flags=FINAL if final else 0)
+                return
+            if not final:
+                return
+            self.rows[row] = outputs
+            if all(r is not None for r in self.rows):
+                self.done = True
+                merged = {k: np.concatenate([r[k] for r in self.rows]) for k in self.rows[0]}
+                self.sender.send(_response(merged), flags=FINAL)
 
     def error(self, message: str) -> None:
-        if self.sender is None:
-            self.response = _error_response(message)
-        else:
-            self.sender.send(_error_response(message), flags=FINAL)
+        with self.lock:
+            if not self.done:
+                self.done = True
+                self.sender.send(_error_response(message), flags=FINAL)
+
+    def cancelled(self) -> None:
+        with self.lock:
+            if not self.done:
+                self.done = True
+                if self.decoupled:  # the client is gone: end the stream without data
+                    self.sender.send(flags=FINAL)
+                else:  # a unary request gets exactly one response
+                    self.sender.send(_error_response("request cancelled", "CANCELLED"), flags=FINAL)
 
 
 class BLSModel:
     def initialize(self, args):
         self.codec, params, cfg = _load_codec(args)
+        self.name = args["model_name"]
         self.engine_model = params.get("engine_model", "dflash") or "dflash"
+        # false when the build made the engine model unary (decoupled: false): one response per request
+        self.engine_streams = params.get("engine_decoupled", "true").strip().lower() != "false"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
 
     def execute(self, requests):
-        answers, jobs = [], []
         for request in requests:
-            answer = _Answer(sender=request.get_response_sender()) if self.decoupled else _Answer(request=request)
-            answers.append(answer)
-            try:
-                jobs.append((parse_text_request(input_getter(request)), answer))
-            except RequestError as e:
-                answer.error(str(e))
-        threads = [threading.Thread(target=self._run, args=job, daemon=True) for job in jobs]
-        for t in threads:
-            t.start()
-        if self.decoupled:
-            return None
-        for t in threads:
-            t.join()
-        return [a.response or _error_response("no response") for a in answers]
+            self._start(request)
+        return None  # every response goes through the request's response sender
+
+    def _start(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            rows = [parse_text_request(g) for g in batch_rows(input_getter(request), "text_input")]
+            stream = rows[0].sampling.stream
+            if stream and not self.decoupled:
+                raise RequestError(
+                    f"stream: {self.name} is not decoupled and answers once; stream with dflash_bls "
+                    f"(gRPC streaming API), or send stream false"
+                )
+            if stream and len(rows) > 1:
+                raise RequestError(
+                    f"stream: a streamed request holds one row, got a batch of {len(rows)}; send the rows as "
+                    f"separate requests, or stream false"
+                )
+        except RequestError as e:
+            sender.send(_error_response(str(e)), flags=FINAL)
+            return
+        answer = _Answer(sender, request, len(rows), stream, self.decoupled)
+        for i, req in enumerate(rows):
+            tag = f"row {i}: " if len(rows) > 1 else ""
+            threading.Thread(target=self._run, args=(req, answer, i, tag), daemon=True).start()
 
     def _engine_request(self, req: TextRequest, ids: list[int], key: str):
         s = req.sampling
         t = [
             pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
             pb_utils.Tensor("max_tokens", np.array([[s.max_tokens]], np.int32)),
-            pb_utils.Tensor("stream", np.array([[True]], np.bool_)),
+            pb_utils.Tensor("stream", np.array([[self.engine_streams]], np.bool_)),
             pb_utils.Tensor("temperature", np.array([[s.temperature]], np.float32)),
             pb_utils.Tensor("top_k", np.array([[s.top_k]], np.int32)),
             pb_utils.Tensor("top_p", np.array([[s.top_p]], np.float32)),
@@ -175,12 +237,26 @@ class BLSModel:
             t.append(pb_utils.Tensor("seed", np.array([[s.seed]], np.uint64)))
         if s.end_id is not None:
             t.append(pb_utils.Tensor("end_id", np.array([[s.end_id]], np.int32)))
-        stops = join_stop_sequences(self.codec.encode_stop_words(req.stop_words))
-        if stops:
-            t.append(pb_utils.Tensor("stop_sequences", np.array([stops], np.int32)))
+        for name in ENGINE_FORWARDED:  # tensorrtllm_backend's logit controls, validated by parse_sampling
+            dtype = np.int32 if name == "min_tokens" else np.float32
+            t.append(pb_utils.Tensor(name, np.array([[getattr(s, name)]], dtype)))
+        if req.bad_words:
+            words = self.codec.encode_stop_words(bad_word_variants(req.bad_words))
+            t.append(pb_utils.Tensor("bad_words_ids", flatten_words(words)))
+        stops = clean_stops(req.stop_words)
+        if stops:  # the engine ends the request at the token completing a stop string (serving/stops.py)
+            t.append(pb_utils.Tensor("stop_words", np.array([[w.encode() for w in stops]], dtype=object)))
         return pb_utils.InferenceRequest(model_name=self.engine_model, requested_output_names=_ENGINE_OUTPUTS, inputs=t)
 
+    def _responses(self, request):
+        if self.engine_streams:
+            yield from request.exec(decoupled=True)
+        else:
+            yield request.exec()
+
     def _cancel(self, key: str) -> None:
+        if not self.engine_streams:
+            return  # a unary engine request cannot be reached once it runs
         r = pb_utils.InferenceRequest(
             model_name=self.engine_model,
             requested_output_names=[],
@@ -189,45 +265,50 @@ class BLSModel:
         for _ in r.exec(decoupled=True):
             pass
 
-    def _run(self, req: TextRequest, answer: _Answer) -> None:
+    def _run(self, req: TextRequest, answer: _Answer, row: int, tag: str) -> None:
         try:
             ids = self.codec.encode(req.text, req.apply_chat_template)
         except DFlashError as e:
-            answer.error(str(e))
+            answer.error(f"{tag}{e}")
             return
         key = uuid.uuid4().hex
         detok = StreamDetokenizer(self.codec)
         # exclude_input_in_output false: the text of prompt + output ids, as the ensemble returns it
         prefix = "" if req.exclude_input_in_output else detok.add(ids)
-        text, cancelled = "", False
+        detok.watch(req.stop_words)  # stop strings are searched in the output text only
+        text, ended = "", False  # ended: answered in full, cancelled, or cut at a stop string here
         try:
-            for resp in self._engine_request(req, ids, key).exec(decoupled=True):
+            for resp in self._responses(self._engine_request(req, ids, key)):
                 if resp.has_error():
-                    answer.error(resp.error().message())
+                    answer.error(f"{tag}{resp.error().message()}")
                     return
-                if not resp.output_tensors():
-                    continue  # the empty final flag
-                if not cancelled and answer.is_cancelled():
-                    cancelled = True
+                if not resp.output_tensors() or ended:
+                    continue  # the empty final flag, or what follows the end we already sent
+                if answer.is_cancelled():
+                    ended = True
                     self._cancel(key)  # the engine still ends the request with a 'cancelled' response
-                if cancelled:
+                    answer.cancelled()
                     continue
                 p: Progress = progress_from(lambda n, r=resp: _out(r, n))
+                chunk = detok.add(p.output_ids[p.num_prev :], bool(p.finish_reason))
+                if detok.stopped and not p.finish_reason:  # the engine saw no stop yet (an echoed prompt's edge)
+                    p.finish_reason, ended = "stop", True
+                    self._cancel(key)
                 final = bool(p.finish_reason)
-                chunk = detok.add(p.output_ids[p.num_prev :], final)
+                ended = ended or final
                 if prefix:
                     chunk, prefix = prefix + chunk, ""  # noqa: PLW2901
                 if req.sampling.stream:
                     if chunk or final:
-                        answer.send(text_outputs(chunk, p), final)
+                        answer.chunk(row, text_outputs(chunk, p), final)
                 else:
                     text += chunk
                     if final:
-                        answer.send(text_outputs(text, p), True)
-            if cancelled:
-                answer.send(None, True)
+                        answer.chunk(row, text_outputs(text, p), True)
+            if not ended:  # the engine's stream ended with no final response (its error does not reach BLS)
+                answer.error(f"{tag}{engine_ended_early_message()}")
         except Exception as e:  # never leave a request without its final response
-            answer.error(f"dflash_bls: {type(e).__name__}: {e}")
+            answer.error(f"{tag}{self.name}: {type(e).__name__}: {e}")
 
 
 def _out(resp, name):

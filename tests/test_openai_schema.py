@@ -1,0 +1,176 @@
+"""Request validation, error mapping and chat rendering of the OpenAI-compatible API
+(serving/openai_schema.py, openai_api.py), without a server; tests/test_openai_api.py runs the API
+against a real `dflash-trt serve --openai-port`."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="fastapi not installed (pip install 'dflash-trt[serve]')")
+
+from conftest import tiny_tokenizer  # noqa: E402
+
+from dflash_trt.serving.openai_api import render_chat, server_error, validation_error  # noqa: E402
+from dflash_trt.serving.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from dflash_trt.serving.text import TextCodec  # noqa: E402
+
+MAX_SEQ = 256
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "The quick brown fox"},
+    {"role": "user", "content": [{"type": "text", "text": "héllo "}, {"type": "text", "text": "wörld ✓"}]},
+]
+
+
+def _api_error(fn) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        fn()
+    return e.value
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(n=2), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(stream_options={"include_usage": True}), "stream_options"),
+        (dict(logprobs=2), "logprobs"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(prompt=[1, 2, 3]), "prompt"),
+        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(prompt=""), "prompt"),
+    ],
+)
+def test_completion_request_refuses_naming_the_field(kw, param):
+    req = CompletionRequest(**{"model": "m", "prompt": "hi", **kw})
+    e = _api_error(lambda: req.to_generation(MAX_SEQ))
+    assert (e.status, e.param) == (400, param) and e.message.startswith(param)
+    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": param, "code": None}}
+
+
+def test_completion_request_defaults_are_openai_ones():
+    g = CompletionRequest(model="m", prompt=["hi"], stop="\n", seed=3).to_generation(MAX_SEQ)
+    assert (g.prompt, g.max_tokens, g.stream) == ("hi", 16, False)
+    assert g.inputs == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": 3,
+        "stop_words": ["\n"],
+        "end_id": None,
+        "exclude_input_in_output": True,
+    }
+    g = CompletionRequest(model="m", prompt="hi", max_tokens=None, ignore_eos=True, echo=True).to_generation(99)
+    assert g.max_tokens == 99 and g.inputs["end_id"] == -1 and g.inputs["exclude_input_in_output"] is False
+    g = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, min_tokens=2).to_generation(99)
+    assert (g.inputs["presence_penalty"], g.inputs["min_tokens"]) == (0.5, 2) and "frequency_penalty" not in g.inputs
+
+
+def test_chat_request_fields():
+    msgs = [{"role": "user", "content": "hi"}]
+    g = ChatCompletionRequest(model="m", messages=msgs, max_completion_tokens=5, stop=["a", "b"]).to_generation(99)
+    assert g.max_tokens == 5 and g.inputs["stop_words"] == ["a", "b"]
+    assert ChatCompletionRequest(model="m", messages=msgs).to_generation(99).max_tokens == 99  # the context's rest
+    for kw, param in [
+        (dict(max_completion_tokens=0), "max_completion_tokens"),
+        (dict(max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
+        (dict(tools=[{"type": "function"}]), "tools"),
+        (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+        (dict(response_format={"type": "json_object"}), "response_format"),
+    ]:
+        req = ChatCompletionRequest(**{"model": "m", "messages": msgs, **kw})
+        assert _api_error(lambda r=req: r.to_generation(99)).param == param
+
+
+def test_validation_errors_name_the_field_path():
+    e = validation_error([{"loc": ("body", "messages", 0, "content", "str"), "msg": "bad", "type": "string_type"}])
+    assert (e.status, e.param, e.message) == (400, "messages[0].content", "messages[0].content: bad")
+    assert validation_error([{"loc": ("body", "foo"), "msg": "Extra inputs are not permitted"}]).param == "foo"
+    assert validation_error([{"loc": ("body", 7), "msg": "x", "type": "json_invalid"}]).param is None
+
+
+def test_front_door_errors_map_to_statuses_and_api_fields():
+    e = server_error("server overloaded: max_queue=4 requests already waiting; retry later", chat=False)
+    assert (e.status, e.type) == (503, "service_unavailable")
+    # new requests while `serve` drains on SIGTERM (Triton has unloaded the model)
+    assert server_error("Request for unknown model: 'dflash_bls' has no available versions", chat=False).status == 503
+    e = server_error("[request id: ab] text_input: prompt has 300 tokens but ...", chat=True)
+    assert (e.status, e.param, e.message) == (400, "messages", "messages: prompt has 300 tokens but ...")
+    e = server_error("max_tokens=0: must be >= 1", chat=True, max_field="max_completion_tokens")
+    assert (e.status, e.param) == (400, "max_completion_tokens") and e.message.startswith("max_completion_tokens=0")
+    assert server_error("dflash_bls: RuntimeError: boom", chat=False).status == 500
+
+
+def test_render_chat_gives_the_ids_apply_chat_template_gives(tmp_path):
+    tok = tiny_tokenizer()
+    tok.save_pretrained(tmp_path)
+    codec = TextCodec.from_dir(tmp_path)
+    msgs = ChatCompletionRequest(model="m", messages=CHAT).template_messages()
+    text = render_chat(codec, msgs)
+    assert codec.encode(text, chat=False) == template_ids(tok, msgs)
+
+
+def template_ids(tok, msgs) -> list[int]:
+    """transformers' apply_chat_template(tokenize=True), as dflash_trt/api.py encode() reads it."""
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class _BosTokenizer:
+    """Characters as ids; add_special_tokens=True puts BOS (id 0) first, as Llama tokenizers do."""
+
+    bos_token, chat_template = "^", "yes"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "^" + "".join(m["content"] for m in messages) + ">"
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [0 if c == "^" else ord(c) for c in text]
+        return {"input_ids": ([0] if add_special_tokens else []) + ids}
+
+
+def test_render_chat_drops_the_template_bos_the_tokenizer_adds_back():
+    text = render_chat(TextCodec(_BosTokenizer()), [{"role": "user", "content": "ab"}])
+    assert text == "ab>"
+
+
+def test_http_errors_have_the_openai_shape_without_triton(tmp_path):
+    """The app on uvicorn with no Triton behind it: what pydantic refuses is a 400 naming the field,
+    an unknown model a 404, and a valid request the unreachable Triton a 503."""
+    openai = pytest.importorskip("openai", reason="openai not installed (pip install 'dflash-trt[test]')")
+    from dflash_trt.serving.openai_api import OpenAIFrontend, RepoInfo
+    from dflash_trt.serving.server import free_port
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    repo = RepoInfo(tmp_path / "tok", tmp_path / "tiny", MAX_SEQ)
+    api = OpenAIFrontend(repo, f"127.0.0.1:{free_port()}", port=0).start()
+    try:
+        client = openai.OpenAI(base_url=api.url, api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        for kw, param in [
+            (dict(prompt=5), "prompt"),
+            (dict(stop=[1, 2]), "stop"),
+            (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+            (dict(n=2), "n"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(**{"model": "tiny", "prompt": "hi", **kw})
+            body = e.value.body
+            assert (body["param"], body["type"], body["code"]) == (param, "invalid_request_error", None), body
+            assert body["message"].startswith(param)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": 3}])
+        assert e.value.body["param"] == "messages[0].content"
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="gpt-4o", messages=CHAT)
+        assert e.value.body["param"] == "model"
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable"
+    finally:
+        api.stop()
