@@ -262,9 +262,12 @@ def run(a) -> None:
         batch_size=a.train_batch,
         lr=6e-4,
         gamma=a.gamma,
-        draft_vocab=16384 if a.family == "dflash" else 0,  # a family's heads train on the full vocabulary
+        # a family's heads train on the full vocabulary; a warm start keeps its backbone's
+        draft_vocab=16384 if a.family == "dflash" and not a.init_from else 0,
         family=a.family,
         family_fields=json.loads(a.family_fields),
+        init_from=a.init_from,
+        freeze_backbone=a.freeze_backbone,
         features="online",
         max_seq_len=512,
         val_data=str(val) if val else None,
@@ -404,6 +407,12 @@ def main() -> None:
     )
     r.add_argument(
         "--family-fields", default="{}", help='its fields as JSON (train --family-fields), e.g. {"markov_rank": 64}'
+    )
+    r.add_argument("--init-from", default=None, help="warm start from this DFlash drafter folder (train --init-from)")
+    r.add_argument(
+        "--freeze-backbone",
+        action="store_true",
+        help="with --init-from: train only the family's heads (train --freeze-backbone)",
     )
     r.add_argument("--gamma", type=float, default=4)
     r.add_argument("--max-epochs", type=int, default=12)

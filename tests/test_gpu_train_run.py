@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model_dir
+from conftest import tiny_drafter, tiny_model_dir
 from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_train_run.py"
@@ -65,8 +65,16 @@ def test_pack_unpack_round_trip(g, tmp_path):
 @pytest.mark.parametrize("family", ["dflash", "dspark"])
 def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch, family):
     """Every stage of the device run with a tiny target and a budget of seconds: the drafter, the
-    answers and the logs come back, and the drafter (of the --family asked for) loads and generates exactly."""
+    answers and the logs come back, and the drafter (of the --family asked for) loads and generates exactly.
+    DSpark warm-starts on a DFlash drafter with a frozen backbone (--init-from, --freeze-backbone)."""
     src = tiny_model_dir(tmp_path / "m", family="qwen2")
+    warm = []
+    if family == "dspark":
+        from dflash_trt.modeling.target import TargetModel
+
+        backbone = tiny_drafter(TargetModel.from_pretrained(src, dtype=torch.float32), block_size=16, num_layers=1)
+        backbone.save_pretrained(tmp_path / "backbone")
+        warm = ["--init-from", str(tmp_path / "backbone"), "--freeze-backbone"]
     g.pack(src, tmp_path / "parts", 6, 0.05)
     for name in ("val_prompts.jsonl", "eval_prompts.jsonl"):
         (tmp_path / name).write_text(
@@ -123,6 +131,7 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch, family):
             family,
             "--family-fields",
             '{"markov_rank": 16}' if family == "dspark" else "{}",
+            *warm,
         ],
     )
     g.main()
@@ -144,3 +153,8 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch, family):
     assert drafter.block_size == 16
     arch = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[family]
     assert drafter.config.architectures == [arch] and f"train ({family}):" in log
+    if warm:  # the frozen backbone came back unchanged (up to the bf16 the run ships in)
+        got = dict(drafter.named_parameters())
+        for name, p in backbone.named_parameters():
+            if name in got and not name.startswith(("markov", "confidence")):
+                assert torch.equal(got[name].float(), p.bfloat16().float()), name

@@ -1,12 +1,11 @@
 """Training end to end on a tiny target: learning, kill-and-resume determinism, bad input."""
 
 import json
-import math
 
-import numpy as np
 import pytest
 import torch
 from conftest import tiny_hf, tiny_target
+from train_common import corpus, drafter_weights, write_corpus
 
 from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
@@ -17,35 +16,14 @@ from dflash_trt.train.prompts import load_prompts
 from dflash_trt.train.trainer import TrainConfig, train
 
 
-def _corpus(t, n, seed, V, max_new=48):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(0, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
-    ]
-    outs = generate_baseline(t, prompts, SamplingParams(max_new_tokens=max_new, ignore_eos=True)).tokens
-    return prompts, outs
-
-
-def _write(folder, prompts, outs):
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "data-00000.jsonl", "w") as f:
-        for p, o in zip(prompts, outs):
-            f.write(json.dumps({"input_ids": p + o, "prompt_len": len(p)}) + "\n")
-    return folder
-
-
-def _weights(folder):
-    return DFlashDrafter.from_pretrained(folder).state_dict()
-
-
 def test_kill_and_resume_reaches_same_weights(tmp_path):
     t = tiny_target("qwen3")
-    data = _write(tmp_path / "data", *_corpus(t, 24, 0, 256, max_new=24))
+    data = write_corpus(tmp_path / "data", *corpus(t, 24, 0, 256, max_new=24))
     base = dict(data=str(data), block_size=4, batch_size=4, epochs=2, bf16=False, anchors_per_seq=4, save_every=2)
     straight = train(TrainConfig(out=str(tmp_path / "a"), **base), target=t, progress=False)
     train(TrainConfig(out=str(tmp_path / "b"), max_steps=5, **base), target=t, progress=False)  # "killed" at 5
     resumed = train(TrainConfig(out=str(tmp_path / "b"), **base), target=t, progress=False)
-    wa, wb = _weights(straight), _weights(resumed)
+    wa, wb = drafter_weights(straight), drafter_weights(resumed)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 12  # 24 sequences / 4 per batch * 2 epochs
@@ -54,8 +32,8 @@ def test_kill_and_resume_reaches_same_weights(tmp_path):
 
 def test_resume_refuses_another_shape_and_flags_changed_data(tmp_path, capsys):
     t = tiny_target("qwen3")
-    prompts, outs = _corpus(t, 8, 0, 256, max_new=20)
-    data = _write(tmp_path / "data", prompts, outs)
+    prompts, outs = corpus(t, 8, 0, 256, max_new=20)
+    data = write_corpus(tmp_path / "data", prompts, outs)
     base = dict(
         data=str(data), batch_size=4, epochs=2, bf16=False, anchors_per_seq=4, save_every=1, out=str(tmp_path / "o")
     )
@@ -63,7 +41,7 @@ def test_resume_refuses_another_shape_and_flags_changed_data(tmp_path, capsys):
     with pytest.raises(ConfigError, match="block_size: checkpoint 4 vs now 6.*new --out"):
         train(TrainConfig(block_size=6, **base), target=t, progress=False)
     capsys.readouterr()
-    _write(tmp_path / "data", prompts[:6], outs[:6])  # the data changed under the checkpoint
+    write_corpus(tmp_path / "data", prompts[:6], outs[:6])  # the data changed under the checkpoint
     train(TrainConfig(block_size=4, **base), target=t, progress=False)
     assert "data (or seed / batch size) changed since this checkpoint" in capsys.readouterr().out
     state = torch.load(tmp_path / "o" / "checkpoint" / "trainer_state.pt", weights_only=False)
@@ -81,9 +59,9 @@ def test_validation_metrics_logged_and_improving(tmp_path):
     with torch.no_grad():
         for layer in t.layers:
             layer.self_attn.o_proj.weight.mul_(0.3)  # learnable in few steps (see the threefold test)
-    prompts, outs = _corpus(t, 136, 0, V, max_new=40)
-    data = _write(tmp_path / "data", prompts[:128], outs[:128])
-    val = _write(tmp_path / "val", prompts[128:], outs[128:])
+    prompts, outs = corpus(t, 136, 0, V, max_new=40)
+    data = write_corpus(tmp_path / "data", prompts[:128], outs[:128])
+    val = write_corpus(tmp_path / "val", prompts[128:], outs[128:])
     mark_validation(val, "test")
     cfg = TrainConfig(
         data=str(data),
@@ -112,13 +90,13 @@ def test_validation_metrics_logged_and_improving(tmp_path):
 @pytest.mark.parametrize("kd_weight", [0.0, 0.5])
 def test_offline_features_equal_online(tmp_path, kd_weight):
     t = tiny_target("llama")
-    data = _write(tmp_path / "data", *_corpus(t, 8, 1, 256, max_new=20))
+    data = write_corpus(tmp_path / "data", *corpus(t, 8, 1, 256, max_new=20))
     base = dict(
         data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4, kd_weight=kd_weight
     )
     on = train(TrainConfig(out=str(tmp_path / "on"), **base), target=t, progress=False)
     off = train(TrainConfig(out=str(tmp_path / "off"), features="offline", **base), target=t, progress=False)
-    won, woff = _weights(on), _weights(off)
+    won, woff = drafter_weights(on), drafter_weights(off)
     # offline features are stored in bf16, so equality is up to that rounding, relative to each tensor's
     # size (fc's saved weight is the trained one divided by the taps' RMS, ~0.03 on this tiny target)
     assert all(torch.allclose(won[k], woff[k], atol=2e-2 * max(1.0, won[k].abs().max().item())) for k in won)
@@ -142,8 +120,8 @@ def test_training_improves_tau_threefold(tmp_path, kd_weight):
     with torch.no_grad():
         for layer in t.layers:
             layer.self_attn.o_proj.weight.mul_(0.3)
-    prompts, outs = _corpus(t, 560, 0, V, max_new=64)
-    data = _write(tmp_path / "data", prompts[:512], outs[:512])
+    prompts, outs = corpus(t, 560, 0, V, max_new=64)
+    data = write_corpus(tmp_path / "data", prompts[:512], outs[:512])
     held = prompts[512:]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     torch.manual_seed(0)
@@ -185,10 +163,10 @@ def test_bad_inputs_have_clear_errors(tmp_path):
         TrainConfig(block_size=64, max_seq_len=32)
     with pytest.raises(ConfigError, match=r"kd_weight=1.5: must be in \[0, 1\]"):
         TrainConfig(kd_weight=1.5)
-    data = _write(tmp_path / "short", [[1, 2]], [[3, 4, 5]])
+    data = write_corpus(tmp_path / "short", [[1, 2]], [[3, 4, 5]])
     with pytest.raises(ConfigError, match="block_size=4"):
         train(TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, bf16=False), target=t, progress=False)
-    data = _write(tmp_path / "ok", *_corpus(t, 4, 0, 256, max_new=12))
+    data = write_corpus(tmp_path / "ok", *corpus(t, 4, 0, 256, max_new=12))
     with pytest.raises(ConfigError, match="target_layer_ids"):
         train(
             TrainConfig(data=str(data), out=str(tmp_path / "o2"), block_size=4, target_layer_ids=[0, 7]),
@@ -205,7 +183,7 @@ def test_train_cli_with_yaml(tmp_path):
     hf = tiny_hf("qwen3")
     hf.save_pretrained(tmp_path / "target")
     t = tiny_target("qwen3")
-    data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=16))
+    data = write_corpus(tmp_path / "data", *corpus(t, 8, 0, 256, max_new=16))
     (tmp_path / "train.yaml").write_text(
         f"target: {tmp_path / 'target'}\ndata: {data}\nblock_size: 4\n" f"batch_size: 4\nbf16: false\n"
     )
@@ -244,7 +222,7 @@ def test_train_cli_help_comes_from_field_comments():
 
 def test_draft_vocab_training_saves_vocab(tmp_path):
     t = tiny_target("qwen3")
-    data = _write(tmp_path / "d", *_corpus(t, 8, 0, 256, max_new=16))
+    data = write_corpus(tmp_path / "d", *corpus(t, 8, 0, 256, max_new=16))
     out = train(
         TrainConfig(data=str(data), out=str(tmp_path / "o"), block_size=4, draft_vocab=20, max_steps=3, batch_size=4),
         target=t,
@@ -254,94 +232,6 @@ def test_draft_vocab_training_saves_vocab(tmp_path):
     seqs = read_sequences(data)
     assert d.config.draft_vocab_size == len(d.draft_vocab) <= 20
     assert set(d.draft_vocab.tolist()) <= {x for s in seqs for x in s["input_ids"][s["prompt_len"] :]}
-
-
-def test_offline_features_recomputed_when_data_changes(tmp_path):
-    from dflash_trt.train.features import FeatureStore, target_taps
-
-    t = tiny_target("llama")
-    a, b = [[1, 2, 3, 4, 5], [6, 7, 8]], [[9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
-    taps, folder = [0, 1], tmp_path / "features"
-    FeatureStore.build(t, a, taps, folder, batch_size=2)
-    first = json.loads((folder / "complete").read_text())["fingerprint"]
-    FeatureStore.build(t, b, taps, folder, batch_size=2)  # same folder, other data: must not be reused
-    assert json.loads((folder / "complete").read_text())["fingerprint"] != first
-    store = FeatureStore(folder, [len(s) for s in b], len(taps) * t.config.hidden_size)
-    ref = target_taps(t, b, taps).to(torch.bfloat16)
-    got = store.get([1, 2], 5)
-    # bf16 storage, and the build batched the rows differently from this reference
-    assert torch.allclose(got[0].float(), ref[1, :5].float(), atol=1e-2)
-    assert torch.allclose(got[1, :2].float(), ref[2, :2].float(), atol=1e-2)
-
-
-def test_offline_features_extended_when_data_grows(tmp_path, capsys):
-    from dflash_trt.train.features import FeatureStore
-
-    t = tiny_target("llama")
-    a = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    grown = a + [[9, 10, 11], [12, 13, 14, 15, 16]]
-    taps = [0, 1]
-    width = len(taps) * t.config.hidden_size
-    FeatureStore.build(t, a, taps, tmp_path / "f", batch_size=2)
-    before = np.fromfile(tmp_path / "f" / "features.bin", dtype=np.uint16).copy()
-    FeatureStore.build(t, grown, taps, tmp_path / "f", batch_size=2)
-    assert "reusing the features of 2 sequences, computing 2 new ones" in capsys.readouterr().out
-    FeatureStore.build(t, grown, taps, tmp_path / "fresh", batch_size=2)
-    ext = np.fromfile(tmp_path / "f" / "features.bin", dtype=np.uint16)
-    assert np.array_equal(ext[: len(before)], before)  # the old rows were kept, not recomputed
-    assert ext.size == sum(map(len, grown)) * width
-    got = FeatureStore(tmp_path / "f", [len(s) for s in grown], width).get([2, 3], 5).float()
-    ref = FeatureStore(tmp_path / "fresh", [len(s) for s in grown], width).get([2, 3], 5).float()
-    assert torch.allclose(got, ref, atol=1e-2)  # new rows equal a build from scratch (bf16)
-    marker = json.loads((tmp_path / "f" / "complete").read_text())
-    assert marker == json.loads((tmp_path / "fresh" / "complete").read_text()) and marker["num_seqs"] == 4
-    FeatureStore.build(t, [[1, 2, 3]] + grown[1:], taps, tmp_path / "f", batch_size=2)  # not a prefix: recompute
-    assert "recomputing" in capsys.readouterr().out
-
-
-def test_generate_data_extends_a_short_last_shard(tmp_path):
-    from conftest import tiny_tokenizer
-
-    from dflash_trt.train.data import generate_data
-
-    tok = tiny_tokenizer()
-    t = tiny_target("qwen3", vocab_size=len(tok))
-    prompts = [
-        "def add(a, b):",
-        "The quick brown fox",
-        "return a + b",
-        "lazy dog",
-        "def sub(a, b):",
-        "jumps over",
-        "print(x)",
-    ]
-    kw = dict(max_new_tokens=6, batch_size=2, shard_size=4, progress=False)
-    generate_data(t, tok, prompts[:5], tmp_path / "grown", **kw)  # shard 1 holds one prompt
-    first = (tmp_path / "grown" / "data-00001.jsonl").read_text()
-    generate_data(t, tok, prompts, tmp_path / "grown", **kw)  # the prompt list grew at the end
-    generate_data(t, tok, prompts, tmp_path / "fresh", **kw)
-    grown = (tmp_path / "grown" / "data-00001.jsonl").read_text()
-    assert grown.startswith(first) and len(grown.splitlines()) == 3
-    assert grown == (tmp_path / "fresh" / "data-00001.jsonl").read_text()
-    assert len(read_sequences(tmp_path / "grown")) == len(prompts)
-
-
-def test_stdlib_code_prompts_are_parseable_stubs_in_a_stable_order():
-    import ast
-    import re
-
-    prompts = load_prompts("stdlib-code")
-    assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
-    assert load_prompts("stdlib-code", limit=50) == prompts[:50]
-    assert not any(re.search(r"at 0x[0-9a-f]{6}", p) for p in prompts)  # no per-process reprs in defaults
-    for p in prompts:
-        code = re.search(r"```python\n(.*)```$", p, re.S)
-        assert code, p[:200]
-        tree = ast.parse(code.group(1))  # the stub itself is valid Python: a def whose body is its docstring
-        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
-        assert ast.get_docstring(fn), p[:200]
-    # the shuffle mixes modules, so a small --limit is not one module's functions
-    assert len({re.search(r"def (\w+)", p).group(1) for p in prompts[:64]}) > 50
 
 
 def test_tap_scaling_trains_on_scaled_taps_and_saves_a_plain_fc(tmp_path):
@@ -380,7 +270,7 @@ def test_tap_scaling_trains_on_scaled_taps_and_saves_a_plain_fc(tmp_path):
 
     # in training: the checkpoint keeps the exact trained parameter and the scale; switching the
     # setting on resume is refused with the field named
-    data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=20))
+    data = write_corpus(tmp_path / "data", *corpus(t, 8, 0, 256, max_new=20))
     base = dict(
         data=str(data), block_size=4, batch_size=4, epochs=2, anchors_per_seq=4, save_every=1, out=str(tmp_path / "o")
     )
@@ -484,7 +374,7 @@ def test_soft_label_features_serve_a_hard_label_run(tmp_path):
     """A hard-label run pointed at a soft-label run's features reuses them (no recompute) and trains
     exactly as on its own taps-only features."""
     t = tiny_target("qwen3")
-    data = _write(tmp_path / "data", *_corpus(t, 8, 2, 256, max_new=20))
+    data = write_corpus(tmp_path / "data", *corpus(t, 8, 2, 256, max_new=20))
     base = dict(data=str(data), block_size=4, batch_size=4, epochs=1, bf16=False, anchors_per_seq=4, features="offline")
     train(TrainConfig(out=str(tmp_path / "kd"), kd_weight=0.5, **base), target=t, progress=False)
     shared = tmp_path / "kd" / "features" / "features.bin"
@@ -495,117 +385,5 @@ def test_soft_label_features_serve_a_hard_label_run(tmp_path):
     own = train(TrainConfig(out=str(tmp_path / "b"), **base), target=t, progress=False)
     assert shared.stat().st_mtime_ns == stamp
     assert (tmp_path / "b" / "features" / "features.bin").stat().st_size < shared.stat().st_size
-    wa, wb = _weights(reused), _weights(own)
+    wa, wb = drafter_weights(reused), drafter_weights(own)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-# ---- drafter families, warm start, D-PACE (train --family / --init-from / --loss) -----------------
-
-
-def test_dpace_weights_and_loss_by_hand():
-    from dflash_trt.train.objective import dpace_loss, dpace_weights, drafter_train_forward, make_blocks
-
-    p = torch.tensor([[0.5, 0.2, 0.8]])
-    # smooth = 0.5 p + 0.5 = [0.75, 0.6, 0.9]; prefix = [0.75, 0.45, 0.405]; reverse cumsum
-    torch.testing.assert_close(
-        dpace_weights(p, torch.ones(1, 3, dtype=torch.bool), 0.5), torch.tensor([[1.605, 0.855, 0.405]])
-    )
-    # a masked-out position: 1 in the product, nothing in the sums
-    torch.testing.assert_close(
-        dpace_weights(p, torch.tensor([[True, True, False]]), 0.5), torch.tensor([[1.2, 0.45, 0.0]])
-    )
-    torch.testing.assert_close(
-        dpace_weights(p, torch.ones(1, 3, dtype=torch.bool), 1.0), torch.tensor([[3.0, 2.0, 1.0]])
-    )
-    t = tiny_target("qwen3")
-    cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
-    torch.manual_seed(0)
-    d = DFlashDrafter(cfg).float().bind(t, cast=False)
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
-    taps = t.forward(ids, t.new_cache(2, 16), tap_layers=d.target_layer_ids).taps
-    blocks = make_blocks(
-        ids, torch.tensor([[3, 8], [5, 0]]), torch.tensor([[True, True], [True, False]]), 4, d.mask_token_id
-    )
-    got = dpace_loss(d, taps, blocks, 7.0, alpha=0.25).loss.item()
-    logits = d.finish_logits(d.head_logits(drafter_train_forward(d, taps, blocks)[:, :, 1:]))
-    total = 0.0
-    for r, j in [(0, 0), (0, 1), (1, 0)]:
-        q = [logits[r, j, k].softmax(-1)[blocks.labels[r, j, k]].item() for k in range(3)]
-        prefix = [0.0] * 3
-        acc = 1.0
-        for k in range(3):
-            acc *= 0.75 * q[k] + 0.25
-            prefix[k] = acc
-        total += sum(-math.log(q[k]) * sum(prefix[k:]) for k in range(3))
-    assert math.isclose(got, total / 2, rel_tol=1e-5)  # divided by the batch (2 sequences)
-
-
-def test_train_config_family_errors_are_one_line(monkeypatch):
-    cases = [
-        (dict(family="eagle"), r"^family='eagle': choose one of dflash, dflash2, dspark, domino$"),
-        (
-            dict(family="domino", family_fields={"markov_rank": 8, "emb_dim": 8, "gru_hidden_dim": 8}),
-            r"^family_fields.markov_rank: a DSpark field \(family: dspark\), not a Domino one",
-        ),
-        (dict(family_fields={"markov_rank": 8}), r"^family_fields.markov_rank: a DSpark field .*not a DFlash one"),
-        (dict(family="domino"), r"^family_fields: a Domino drafter needs emb_dim, gru_hidden_dim$"),
-        (dict(family="dspark", loss="dpace"), r"^loss=dpace: weights plain DFlash's CE"),
-        (dict(loss="ce"), r"^loss='ce': choose 'dflash' or 'dpace'$"),
-        (dict(family="dspark", freeze_backbone=True), r"^freeze_backbone: needs init_from"),
-        (dict(family="dspark", draft_vocab=100), r"^draft_vocab=100: leave 0 \(family=dspark trains on the full"),
-    ]
-    for kw, pattern in cases:
-        with pytest.raises(ConfigError, match=pattern) as e:
-            TrainConfig(**kw)
-        assert "\n" not in str(e.value)
-
-
-def test_dspark_warm_start_with_frozen_backbone_and_domino_from_cli(tmp_path, capsys):
-    from click.testing import CliRunner
-
-    from dflash_trt.cli import main
-
-    t = tiny_target("qwen3")
-    data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=16))
-    base = dict(data=str(data), block_size=4, batch_size=4, bf16=False, anchors_per_seq=4, save_every=1)
-    backbone = train(TrainConfig(out=str(tmp_path / "bb"), epochs=2, **base), target=t, progress=False)
-    fields = {"markov_rank": 16, "confidence_head_alpha": 1.0}
-    cfg = dict(base, family="dspark", family_fields=fields, init_from=str(backbone), freeze_backbone=True)
-    train(TrainConfig(out=str(tmp_path / "ds"), max_steps=1, **cfg), target=t, progress=False)
-    out = train(TrainConfig(out=str(tmp_path / "ds"), epochs=2, **cfg), target=t, progress=False)  # resumed
-    assert "L1 + confidence terms against the target's logits" in capsys.readouterr().out
-    d = DFlashDrafter.from_pretrained(out)
-    assert d.config.architectures == ["DSparkDraftModel"] and d.config.family_fields["markov_rank"] == 16
-    before, after = _weights(backbone), d.state_dict()
-    heads = [k for k in after if k not in before]
-    assert heads and all(torch.allclose(before[k], after[k], atol=1e-6) for k in before)  # backbone kept
-    assert any("confidence" in k for k in heads)
-    init = DFlashDrafter(d.config)
-    init.load_state_dict(before, strict=False)
-    init.family.init_heads(init)
-    assert any(not torch.equal(init.state_dict()[k], after[k]) for k in heads)  # the heads trained
-    with pytest.raises(ConfigError, match=r"architectures: checkpoint \['DSparkDraftModel'\] vs now"):
-        train(TrainConfig(out=str(tmp_path / "ds"), **base), target=t, progress=False)  # another family
-    hf = tiny_hf("qwen3")
-    hf.save_pretrained(tmp_path / "target")
-    args = ["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(tmp_path / "dom")]
-    args += ["--block-size", "4", "--batch-size", "4", "--no-bf16", "--anchors-per-seq", "2", "--max-steps", "2"]
-    args += ["--family", "domino", "--family-fields", '{"emb_dim": 16, "gru_hidden_dim": 8}']
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == 0, r.output
-    assert DFlashDrafter.from_pretrained(tmp_path / "dom" / "drafter").config.architectures == ["DominoDraftModel"]
-    r = CliRunner().invoke(main, args[:-1] + ['{"markov_rank": 4}'])
-    assert r.exit_code == 2 and "family_fields.markov_rank: a DSpark field" in r.output
-    r = CliRunner().invoke(main, args[:-1] + ["{emb_dim: 16"])
-    assert r.exit_code == 2 and "--family-fields: not JSON" in r.output
-
-
-def test_dpace_loss_trains_from_the_cli_config(tmp_path):
-    t = tiny_target("qwen3")
-    data = _write(tmp_path / "data", *_corpus(t, 8, 0, 256, max_new=16))
-    base = dict(data=str(data), block_size=4, batch_size=4, bf16=False, anchors_per_seq=4, epochs=2)
-    a = _weights(train(TrainConfig(out=str(tmp_path / "a"), loss="dpace", **base), target=t, progress=False))
-    b = _weights(train(TrainConfig(out=str(tmp_path / "b"), **base), target=t, progress=False))
-    assert any(not torch.equal(a[k], b[k]) for k in a)  # another objective, other weights
-    rows = [json.loads(ln) for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert rows and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
