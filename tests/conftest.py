@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -194,3 +196,17 @@ def tiny_pair_dir(root, block_size: int = 4) -> TargetModel:
     target = TargetModel.from_pretrained(root / "target", dtype=torch.float32)
     tiny_drafter(target, block_size=block_size).save_pretrained(root / "drafter")
     return target
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """pids whose command line contains `text` (a server's repository path: its tritonserver and stubs)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids

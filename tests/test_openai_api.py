@@ -6,7 +6,6 @@ full queue refuses requests (HTTP 503)."""
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import shutil
@@ -25,7 +24,7 @@ pytest.importorskip("pytriton", reason="nvidia-pytriton not installed (pip insta
 pytest.importorskip("fastapi", reason="fastapi not installed (pip install 'dflash-trt[serve]')")
 openai = pytest.importorskip("openai", reason="openai not installed (pip install 'dflash-trt[test]')")
 
-from conftest import tiny_pair_dir  # noqa: E402
+from conftest import processes_mentioning, tiny_pair_dir  # noqa: E402
 from test_openai_schema import CHAT, template_ids  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
@@ -107,19 +106,7 @@ def api(models):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert not _processes_mentioning(str(repo)), "backend stubs left running"
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    pids.append(int(d))
-        except OSError:
-            pass
-    return pids
+    assert not processes_mentioning(str(repo)), "backend stubs left running"
 
 
 def expected(models, prompt, max_tokens: int) -> tuple[str, int, int]:

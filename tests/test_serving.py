@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("pytriton", reason="nvidia-pytriton not installed (pip install 'dflash-trt[serve]')")
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'dflash-trt[serve]')")
 
-from conftest import tiny_pair_dir  # noqa: E402
+from conftest import processes_mentioning, tiny_pair_dir  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.decoding.loop import generate_baseline  # noqa: E402
@@ -74,20 +74,7 @@ def server(models):
         pid = srv.proc.pid
         yield srv
     assert srv.proc is None and not os.path.exists(f"/proc/{pid}")
-    assert not _processes_mentioning(str(repo)), "backend stubs left running"
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
+    assert not processes_mentioning(str(repo)), "backend stubs left running"
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +339,7 @@ def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert not _processes_mentioning(str(tmp_path / "repo"))
+    assert not processes_mentioning(str(tmp_path / "repo"))
 
 
 def test_hybrid_proposer_with_cost_length_serves_exact_text(models):

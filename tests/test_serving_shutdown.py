@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_drafter, tiny_pair_dir, tiny_target
+from conftest import processes_mentioning, tiny_drafter, tiny_pair_dir, tiny_target
 
 from dflash_trt.decoding.engine import SpecEngine
 from dflash_trt.serving.drain import DRAIN_ENV, drain_signal_from_env, write_drain_file
@@ -163,22 +163,9 @@ def _serving_modules():
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed")
 
 
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
-
-
 def _shm_prefix_of_server(repo: Path) -> str:
     """The shared-memory prefix the running tritonserver of `repo` was given (from its command line)."""
-    for pid in _pids_mentioning(f"--model-repository={repo}"):
+    for pid in processes_mentioning(f"--model-repository={repo}"):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             m = re.search(rb"shm-region-prefix-name=([^\0]+)", f.read())
         if m:
@@ -299,7 +286,7 @@ def test_sigterm_with_ten_long_requests_in_flight_ends_each_cleanly_within_the_g
         assert abort not in log_text, log_text[-3000:]
     assert "stopping: requests in flight have 3 s to finish" in out
     assert not _regions(prefix), "shared memory of the run left in /dev/shm"
-    assert not _pids_mentioning(str(long_repo)), "tritonserver or a backend stub left running"
+    assert not processes_mentioning(str(long_repo)), "tritonserver or a backend stub left running"
     shutil.rmtree(Path(log).parent)  # the kept log folder
 
 

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.deploy.files import link_or_copy
+from dflash_trt.deploy.files import link_or_copy, read_state
 from dflash_trt.errors import CheckpointError
 
 ENGINES = ("vllm", "sglang")
@@ -73,16 +73,6 @@ def serving_config(src: Path, engine: str) -> dict:
     return out
 
 
-def _state(src: Path) -> dict[str, torch.Tensor]:
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"drafter {src}: no *.safetensors weight files")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
 def target_head_rows(target: Path, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the target's LM head (its input embedding when the two are tied), read from the
     safetensors of `target` one tensor at a time (a target's shards are never loaded whole)."""
@@ -102,7 +92,7 @@ def serving_state(src: Path, engine: str, target: Path) -> dict[str, torch.Tenso
     """The tensors of the serving copy (see the module docstring)."""
     dc = DrafterConfig.load(src)
     fam = dc.family
-    state = fam.save_keys(fam.load_keys(_state(src)))
+    state = fam.save_keys(fam.load_keys(read_state(src, "drafter ")))
     vocab = state.get("draft_vocab")
     state = {k: v.contiguous() for k, v in state.items() if k not in DROPPED}
     if vocab is not None and engine == "vllm":

@@ -1,8 +1,9 @@
-"""Folder helpers of a build: link or copy model files, copy a folder tree, write a JSON file.
+"""Folder helpers of a build: link or copy model files, copy a folder tree, write a JSON file, read
+a folder's safetensors.
 
 Boundary: plain file operations with no knowledge of stages or backends; the stages (stages.py),
-the backends (backends.py), the eval report (quant_eval.py) and the build runner (run.py) all write
-through these.
+the engine configs (trtllm.py, emit.py, emit_layout.py), the eval report (quant_eval.py) and the
+build runner (run.py) all write through these.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ import json
 import os
 import shutil
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_trt.errors import CheckpointError
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -32,3 +38,14 @@ def copy_tree(src: Path, dst: Path, files_only: bool = False) -> None:
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_state(folder: Path, what: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder's *.safetensors shards; CheckpointError when there are none."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{what}{folder}: no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state

@@ -18,9 +18,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash_trt.atomic import atomic_dir
+from dflash_trt.deploy.files import read_state
 from dflash_trt.deploy.quantize import (
     STATIC_ACT,
     attention_modules,
@@ -119,12 +120,7 @@ def load_quantized_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tenso
     qpath = folder / QUANT_CONFIG_NAME
     if not qpath.is_file():
         raise CheckpointError(f"{folder}: no {QUANT_CONFIG_NAME}; not a quantised (modelopt-layout) checkpoint")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors weight files")
-    qstate: dict[str, torch.Tensor] = {}
-    for f in files:
-        qstate.update(load_file(str(f)))
+    qstate = read_state(folder)
     hf_quant_config = _read_json(qpath)
     config = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
     algo = hf_quant_config.get("quantization", {}).get("quant_algo")

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer
 from dflash_trt.config import SamplingParams
@@ -34,7 +33,7 @@ from dflash_trt.decoding.loop import generate
 from dflash_trt.deploy import emit, trtllm
 from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.check import check, print_summary
-from dflash_trt.deploy.files import copy_tree, link_or_copy, write_json
+from dflash_trt.deploy.files import copy_tree, link_or_copy, read_state, write_json
 from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
 from dflash_trt.deploy.quant_eval import evaluate_quantized
 from dflash_trt.deploy.quantize import calibrate_amax, quantize_state_dict
@@ -121,9 +120,7 @@ def stage_quantize(ctx: Context) -> dict:
                 kv=kv == "fp8",
             )
         src = ctx.dirs[which]
-        state = {}
-        for f in sorted(src.glob("*.safetensors")):
-            state.update(load_file(str(f)))
+        state = read_state(src)
         qstate, hf_qc = quantize_state_dict(state, fmt, act_amax=amax, kv_cache=kv, kv_amax=kv_amax)
         dst = ctx.work / "quantized" / which
         config = json.loads((src / "config.json").read_text())
