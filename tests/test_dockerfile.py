@@ -101,7 +101,7 @@ def _pypi_unreachable() -> str | None:
     return None
 
 
-def test_what_the_dockerfile_installs_resolves_on_pypi():
+def test_what_the_dockerfile_installs_resolves_on_pypi(tmp_path):
     """Each requirement of the package and of the extras it installs has a wheel for the image's Python and
     platform (pip --dry-run --no-deps: one lookup per requirement, seconds; the image's own torch and
     tensorrt_llm then satisfy the rest)."""
@@ -111,7 +111,8 @@ def test_what_the_dockerfile_installs_resolves_on_pypi():
     extras, others = installed_spec()
     reqs = list(PYPROJECT["project"]["dependencies"]) + [r for e in extras for r in EXTRAS[e]] + others
     reqs = [r.split(";")[0].strip() for r in reqs]
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet"]
+    # --target: pip before 23.3 (a fresh venv's) accepts --platform / --python-version only with it
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--target", str(tmp_path), "--no-deps", "--quiet"]
     cmd += ["--only-binary=:all:", "--python-version", IMAGE_PYTHON, "--timeout", "20", "--retries", "1"]
     cmd += [f"--platform={p}" for p in IMAGE_PLATFORMS] + ["--report", "-", *reqs]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
