@@ -4,6 +4,8 @@ against a real `dflash-trt serve --openai-port`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("fastapi", reason="fastapi not installed (pip install 'dflash-trt[serve]')")
@@ -174,3 +176,19 @@ def test_http_errors_have_the_openai_shape_without_triton(tmp_path):
         assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable"
     finally:
         api.stop()
+
+
+def test_the_default_model_id_is_the_builds_target(tmp_path):
+    """serve --model-repo OUT/model_repo of a build reports the build's target (a registry name or a
+    folder's name), not the engine's `target` folder; without a build.json, the target folder's name."""
+    from dflash_trt.serving.openai_api import default_model_name
+
+    repo, target = tmp_path / "out" / "model_repo", tmp_path / "out" / "engine" / "target"
+    repo.mkdir(parents=True)
+    assert default_model_name(repo, target) == "target"
+    (tmp_path / "out" / "build.json").write_text(json.dumps({"config": {"target": "smollm2-135m-instruct"}}))
+    assert default_model_name(repo, target) == "smollm2-135m-instruct"
+    (tmp_path / "out" / "build.json").write_text(json.dumps({"config": {"target": "/models/Qwen3-8B"}}))
+    assert default_model_name(repo, target) == "Qwen3-8B"
+    (tmp_path / "out" / "build.json").write_text("{not json")
+    assert default_model_name(repo, target) == "target"

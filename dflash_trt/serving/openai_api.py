@@ -71,6 +71,17 @@ class RepoInfo:
             raise DFlashError(f"{repo}: model repository lacks or garbles parameter {e} (refill it)") from None
 
 
+def default_model_name(model_repo: Path, target_dir: Path) -> str:
+    """The model id /v1/models reports when --served-model-name is not given: the `target` of the
+    `dflash-trt build` whose model_repo this is (its build.json, one folder up: a registry name, or a
+    folder's name), else the served target folder's name (a build's is just `engine/target`)."""
+    try:
+        target = json.loads((Path(model_repo).parent / "build.json").read_text())["config"]["target"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return target_dir.name
+    return Path(str(target)).name if str(target).strip() else target_dir.name
+
+
 def _parameters(config: Path) -> dict[str, str]:
     # deferred: protobuf comes with tritonclient (the `serve` extra)
     from google.protobuf import text_format
@@ -314,6 +325,9 @@ class OpenAIFrontend:
 
     def __init__(self, model_repo, grpc_url: str, host: str = "127.0.0.1", port: int = 8080, model_name=None):
         self.repo = model_repo if isinstance(model_repo, RepoInfo) else RepoInfo.read(model_repo)
+        if model_name is None:
+            is_folder = not isinstance(model_repo, RepoInfo)
+            model_name = default_model_name(model_repo, self.repo.target_dir) if is_folder else None
         self.model_name = model_name or self.repo.target_dir.name
         self.host, self.grpc_url = host, grpc_url
         self.app = create_app(grpc_url, self.model_name, self.repo)  # fails now on a bad tokenizer
