@@ -148,8 +148,8 @@ def _accept(engine, tree: Tree, blocks, logits, q) -> tuple[Verdict, torch.Tenso
         sub = [rows[r] for r in rest.tolist()]
         v = accept_rows(engine.accept_ops, blocks[0][rest], logits[0][rest], sub_q, tree.n_draft[rest, 0], sub, True, B)
         accepted[rest], bonus[rest] = v.accepted, v.bonus
-    past = torch.arange(1, B, device=dev) > tree.n_draft[:, 1:]  # [R, B-1] copied drafts not judged
-    copy = engine.accept_ops.greedy(torch.cat([blocks[1][:, :1], blocks[1][:, 1:].masked_fill(past, -1)], 1), logits[1])
+    # the copy's branch as a greedy chain of its own length (accept_rows with q=None: drafts past it never match)
+    copy = accept_rows(engine.accept_ops, blocks[1], logits[1], None, tree.n_draft[:, 1], [], True, B)
     greedy_copy = torch.zeros(R, dtype=torch.bool, device=dev)
     greedy_copy[[r for r in tree.copy_rows if r not in walk]] = True
     verdict, won = pick(Verdict(accepted, bonus), copy, greedy_copy)
