@@ -171,7 +171,6 @@ def emit_commands(ctx) -> dict:
     cfg = ctx.cfg
     src = ctx.model_dir("drafter")
     dc = DrafterConfig.load(src)
-    check_emit(cfg, dc)  # again here: a cached check stage may predate `emit`
     target, tok = ctx.model_dir("target", final=True), ctx.dirs["tokenizer"]
     written = {}
     for name in cfg.emit:

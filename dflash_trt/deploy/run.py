@@ -66,7 +66,7 @@ MODEL_OPTS = (
     "max_seq_len",
 )
 
-# what the engine stage and the emitted engine configs read (trtllm-pytorch model.yaml, vLLM / SGLang)
+# what the engine stage reads (torch engine folder, trtllm-pytorch model.yaml)
 ENGINE_OPTS = (
     "backend",
     "dtype",
@@ -138,7 +138,21 @@ STAGES = (
         "emit",
         S.stage_emit,
         ("serve",),
-        ("emit", "draft_length", "target_quant", "drafter_quant", *ENGINE_OPTS),
+        # what emit.py / emit_layout.py read (not backend, sm, attention_backend: no emitted flag depends on them)
+        (
+            "emit",
+            "draft_length",
+            "target_quant",
+            "drafter_quant",
+            "dtype",
+            "max_batch",
+            "max_seq_len",
+            "tp_size",
+            "pp_size",
+            "ep_size",
+            "kv_cache",
+            "cuda_graph_batch_sizes",
+        ),
         ("check", "quantize"),
         lambda c: bool(c.emit),
     ),

@@ -21,6 +21,7 @@ import numpy as np
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.protocol import STAT_OUTPUTS
+from dflash_trt.serving.trtllm_inputs import ENGINE_FORWARDED
 
 
 class ServingError(DFlashError):
@@ -90,14 +91,15 @@ def input_arrays(
         vals["end_id"] = np.array([[end_id]], np.int32)
     if apply_chat_template is not None:
         vals["apply_chat_template"] = np.array([[apply_chat_template]], np.bool_)
-    for name, v, dtype in (
-        ("repetition_penalty", repetition_penalty, np.float32),
-        ("presence_penalty", presence_penalty, np.float32),
-        ("frequency_penalty", frequency_penalty, np.float32),
-        ("min_tokens", min_tokens, np.int32),
-    ):
-        if v is not None:
-            vals[name] = np.array([[v]], dtype)
+    given = dict(
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
+    )
+    for name, dtype in ENGINE_FORWARDED.items():
+        if given[name] is not None:
+            vals[name] = np.array([[given[name]]], dtype)
     if bad_words:
         vals["bad_words"] = np.array([[w.encode("utf-8") for w in bad_words]], dtype=object)
     vals.update(extra or {})

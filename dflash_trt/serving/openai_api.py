@@ -325,9 +325,8 @@ class OpenAIFrontend:
 
     def __init__(self, model_repo, grpc_url: str, host: str = "127.0.0.1", port: int = 8080, model_name=None):
         self.repo = model_repo if isinstance(model_repo, RepoInfo) else RepoInfo.read(model_repo)
-        if model_name is None:
-            is_folder = not isinstance(model_repo, RepoInfo)
-            model_name = default_model_name(model_repo, self.repo.target_dir) if is_folder else None
+        if model_name is None and not isinstance(model_repo, RepoInfo):
+            model_name = default_model_name(model_repo, self.repo.target_dir)
         self.model_name = model_name or self.repo.target_dir.name
         self.host, self.grpc_url = host, grpc_url
         self.app = create_app(grpc_url, self.model_name, self.repo)  # fails now on a bad tokenizer

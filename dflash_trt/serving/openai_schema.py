@@ -79,6 +79,9 @@ class _Request(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
 
+    def _usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def _common(self, max_tokens: int | None, max_field: str) -> dict:
         """Validated inputs every request kind sends (serving/client.py build_inputs keywords)."""
         if self.n not in (None, 1):
@@ -142,9 +145,6 @@ class CompletionRequest(_Request):
         kw["exclude_input_in_output"] = not self.echo
         return Generation(prompt, self.max_tokens or max_seq_len, bool(self.stream), self._usage_in_stream(), kw)
 
-    def _usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -200,9 +200,6 @@ class ChatCompletionRequest(_Request):
         # the prompt is rendered by the caller (needs the tokenizer); the engine stops at the context end
         return Generation("", max_tokens or max_seq_len, bool(self.stream), self._usage_in_stream(), kw)
 
-    def _usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
     def template_messages(self) -> list[dict]:
         return [m.as_template_dict() for m in self.messages]
 
@@ -219,7 +216,6 @@ class Generation:
 
 
 # ---- responses ---------------------------------------------------------------------------------
-FINISH = {"stop": "stop", "length": "length"}
 
 
 def usage(res: dict) -> dict:
@@ -247,7 +243,7 @@ def _envelope(rid: str, model: str, obj: str, choices: list, created: int | None
 
 def completion_body(rid: str, model: str, chat: bool, res: dict) -> dict:
     """The whole (non-streamed) response from the front door's one result."""
-    finish = FINISH.get(res.get("finish_reason"), res.get("finish_reason") or None)
+    finish = res.get("finish_reason") or None
     if chat:
         choice = {
             "index": 0,
@@ -267,7 +263,7 @@ def chunk_body(rid: str, model: str, chat: bool, created: int, text: str | None,
     finish reason and the dflash statistics; role=True is chat's opening delta."""
     finish = None
     if res is not None:
-        finish = FINISH.get(res.get("finish_reason"), res.get("finish_reason") or None)
+        finish = res.get("finish_reason") or None
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}

@@ -237,8 +237,7 @@ class BLSModel:
             t.append(pb_utils.Tensor("seed", np.array([[s.seed]], np.uint64)))
         if s.end_id is not None:
             t.append(pb_utils.Tensor("end_id", np.array([[s.end_id]], np.int32)))
-        for name in ENGINE_FORWARDED:  # tensorrtllm_backend's logit controls, validated by parse_sampling
-            dtype = np.int32 if name == "min_tokens" else np.float32
+        for name, dtype in ENGINE_FORWARDED.items():  # tensorrtllm_backend's logit controls (parse_sampling)
             t.append(pb_utils.Tensor(name, np.array([[getattr(s, name)]], dtype)))
         if req.bad_words:
             words = self.codec.encode_stop_words(bad_word_variants(req.bad_words))

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflash_trt.serving.text import join_stop_sequences
+
 # name -> Triton type, for the text front doors and the ensemble (the engine model takes bad_words_ids instead)
 TRTLLM_INPUTS = {
     "repetition_penalty": "TYPE_FP32",
@@ -38,8 +40,13 @@ TRTLLM_INPUTS = {
     "return_num_input_tokens": "TYPE_BOOL",
     "return_num_output_tokens": "TYPE_BOOL",
 }
-# what the text front doors forward to the engine model as they are
-ENGINE_FORWARDED = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+# what the text front doors (and DFlashClient) send the engine model as they are, with their tensor dtypes
+ENGINE_FORWARDED = {
+    "repetition_penalty": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "min_tokens": np.int32,
+}
 
 
 def logit_controls(get: Callable, one: Callable, error: type[Exception]) -> dict:
@@ -80,8 +87,6 @@ def bad_word_variants(words: Sequence[str]) -> list[str]:
 
 
 def flatten_words(words: Sequence[Sequence[int]]) -> np.ndarray:
-    """[[a, b], [c]] -> INT32 [1, N] with -1 separators (an empty list travels as [[-1]])."""
-    flat: list[int] = []
-    for w in words:
-        flat += [*(int(t) for t in w), -1]
-    return np.array([flat or [-1]], np.int32)
+    """[[a, b], [c]] -> INT32 [1, N] with -1 separators (text.join_stop_sequences; an empty list travels
+    as [[-1]])."""
+    return np.array([join_stop_sequences(words) or [-1]], np.int32)
