@@ -55,9 +55,8 @@ DROPPED = ("draft_vocab",)  # dflash-trt's own tensors; written back in the engi
 QUANT_FILE = "hf_quant_config.json"
 
 
-def serving_config(src: Path, engine: str) -> dict:
-    """config.json of the serving copy of the drafter in `src` for `engine` (vllm | sglang)."""
-    dc = DrafterConfig.load(src)
+def serving_config(src: Path, dc: DrafterConfig, engine: str) -> dict:
+    """config.json of the serving copy of the drafter in `src` (its config dc) for `engine` (vllm | sglang)."""
     raw = json.loads((src / "config.json").read_text())
     out = dc.to_json_dict(portable=True)  # normalised family fields; no draft_vocab_size
     if "quantization_config" in raw:
@@ -88,11 +87,12 @@ def target_head_rows(target: Path, ids: torch.Tensor) -> torch.Tensor:
     raise CheckpointError(f"target {target}: no lm_head.weight or embed_tokens.weight tensor for the draft vocabulary")
 
 
-def serving_state(src: Path, engine: str, target: Path) -> dict[str, torch.Tensor]:
-    """The tensors of the serving copy (see the module docstring)."""
-    dc = DrafterConfig.load(src)
+def serving_state(
+    weights: dict[str, torch.Tensor], dc: DrafterConfig, engine: str, target: Path
+) -> dict[str, torch.Tensor]:
+    """The tensors of the serving copy (see the module docstring), from the drafter's own weights."""
     fam = dc.family
-    state = fam.save_keys(fam.load_keys(read_state(src, "drafter ")))
+    state = fam.save_keys(fam.load_keys(weights))
     vocab = state.get("draft_vocab")
     state = {k: v.contiguous() for k, v in state.items() if k not in DROPPED}
     if vocab is not None and engine == "vllm":
@@ -108,17 +108,14 @@ def write_serving_drafter(src: Path, dst: Path, engine: str, target: Path) -> di
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
     dst.mkdir(parents=True, exist_ok=True)
-    original = set()
-    for f in sorted(src.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            original.update(fh.keys())
-    state = serving_state(src, engine, target)
-    files = sorted(src.glob("*.safetensors"))
+    dc, weights, files = DrafterConfig.load(src), read_state(src, "drafter "), sorted(src.glob("*.safetensors"))
+    original = set(weights)
+    state = serving_state(weights, dc, engine, target)
     if set(state) == original and len(files) == 1:
         link_or_copy(files[0], dst / "model.safetensors")  # nothing to rename: hard-link the weights
     else:
         save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(serving_config(src, engine), indent=2, sort_keys=True) + "\n")
+    (dst / "config.json").write_text(json.dumps(serving_config(src, dc, engine), indent=2, sort_keys=True) + "\n")
     if (src / QUANT_FILE).is_file():
         shutil.copyfile(src / QUANT_FILE, dst / QUANT_FILE)
     return {
