@@ -189,6 +189,12 @@ def test_progress_tensors_roundtrip():
     q = progress_from(lambda n: outs.get(n))
     assert q.output_ids == [1, 2, 4, 5, 6] and q.num_prev == 3 and q.finish_reason == "stop"
     assert (q.acceptance_rate, q.acceptance_length, q.perf) == (4 / 9, (4 + 3) / 3, {"e2e_time": 1.0})
+    # a text response: exactly TEXT_OUTPUTS, its statistics the engine response's
+    from dflash_trt.serving.protocol import TEXT_OUTPUTS, text_outputs
+
+    text = text_outputs("hi", p)
+    assert sorted(text) == sorted(TEXT_OUTPUTS) and text["text_output"].tolist() == [[b"hi"]]
+    assert all(text[k].tolist() == outs[k].tolist() for k in TEXT_OUTPUTS if k != "text_output")
 
 
 def test_tensorrtllm_backend_fields_parse_into_sampling():

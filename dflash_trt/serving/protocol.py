@@ -318,12 +318,20 @@ def token_outputs(p: Progress, prefix_ids=(), stop_words=()) -> dict[str, np.nda
         "num_echoed_tokens": np.array([[len(prefix)]], dtype=np.int32),
         "output_ids": np.array([prefix + p.output_ids], dtype=np.int32).reshape(1, -1),
         "num_prev_tokens": np.array([[p.num_prev + len(prefix) if p.num_prev else 0]], dtype=np.int32),
+        "num_verify_steps": np.array([[p.num_verify_steps]], dtype=np.int32),
+        **_summary_outputs(p),
+    }
+
+
+def _summary_outputs(p: Progress) -> dict[str, np.ndarray]:
+    """finish_reason, STAT_OUTPUTS and perf_metrics: what both an engine response and a text response carry
+    (a text response builds only these, not the whole output_ids array, on every streamed chunk)."""
+    return {
         "finish_reason": np.array([[p.finish_reason.encode()]], dtype=object),
         "num_input_tokens": np.array([[p.num_input_tokens]], dtype=np.int32),
         "num_output_tokens": np.array([[len(p.output_ids)]], dtype=np.int32),
         "total_draft_tokens": np.array([[p.num_draft_tokens]], dtype=np.int32),
         "total_accepted_draft_tokens": np.array([[p.num_accepted_draft_tokens]], dtype=np.int32),
-        "num_verify_steps": np.array([[p.num_verify_steps]], dtype=np.int32),
         "acceptance_rate": np.array([[p.acceptance_rate]], dtype=np.float32),
         "acceptance_length": np.array([[p.acceptance_length]], dtype=np.float32),
         "perf_metrics": np.array([[json.dumps(p.perf).encode() if p.perf else b""]], dtype=object),
@@ -346,7 +354,4 @@ def progress_from(get: Getter) -> Progress:
 
 
 def text_outputs(text: str, p: Progress) -> dict[str, np.ndarray]:
-    out = token_outputs(p)
-    keep = {k: out[k] for k in TEXT_OUTPUTS if k in out}
-    keep["text_output"] = np.array([[text.encode("utf-8")]], dtype=object)
-    return keep
+    return {"text_output": np.array([[text.encode("utf-8")]], dtype=object), **_summary_outputs(p)}  # TEXT_OUTPUTS

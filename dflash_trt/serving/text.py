@@ -21,6 +21,7 @@ until the final response, holds back a tail that may be the start of one: it sti
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,7 +156,9 @@ class LightTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+    @functools.cached_property
+    def _template(self):
+        """The chat template compiled once (it is fixed at load; every chat request renders it)."""
         from jinja2.ext import loopcontrols  # deferred: ~20 ms with tokenizers, paid only where a template renders
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -167,7 +170,10 @@ class LightTokenizer:
             x, indent=indent, ensure_ascii=ensure_ascii
         )
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             **{k: v for k, v in self.special.items() if v is not None},
