@@ -133,6 +133,11 @@ class BuildConfig:
     def quantized(self) -> bool:
         return self.target_quant != "bf16" or self.drafter_quant != "bf16"
 
+    @property
+    def kv_quant(self) -> str | None:
+        """The KV cache's quantised format (None: bf16, not quantised), as the quantize functions take it."""
+        return None if self.kv_cache == "bf16" else self.kv_cache
+
     def quant_of(self, which: str) -> str:
         """'target' | 'drafter' -> its weight format."""
         return self.target_quant if which == "target" else self.drafter_quant
@@ -185,10 +190,10 @@ class BuildConfig:
         """NVFP4 tensor cores exist on Blackwell only: refuse nvfp4 for sm_90 (quantize.check_quant_target
         decides; its message is re-worded to this config's field names). An fp8 KV cache needs a
         quantised target to carry its calibrated scales (quantize.check_kv_cache)."""
-        check_kv_cache(self.target_quant, None if self.kv_cache == "bf16" else self.kv_cache)
+        check_kv_cache(self.target_quant, self.kv_quant)
         for name in ("target_quant", "drafter_quant"):
             try:
-                check_quant_target(getattr(self, name), self.sm, None if self.kv_cache == "bf16" else self.kv_cache)
+                check_quant_target(getattr(self, name), self.sm, self.kv_quant)
             except ConfigError as e:
                 msg = str(e).replace("quantization.weights", name).replace("gpu_arch", "sm")
                 raise ConfigError(msg.replace(": use fp8", f": use {name}: fp8, or sm: sm_100 / sm_120")) from None

@@ -95,7 +95,7 @@ def stage_quantize(ctx: Context) -> dict:
     prompts, then write FP8 / NVFP4 checkpoints in Model Optimizer's HF export layout
     (quantized/target, quantized/drafter) for the non-bf16 models."""
     cfg = ctx.cfg
-    kv = None if cfg.kv_cache == "bf16" else cfg.kv_cache
+    kv = cfg.kv_quant
     target, _ = load_target(
         str(ctx.dirs["target"]), "float32", progress=False, packed=False  # calibrate in full precision
     )  # activation hooks need the nn.Linear modules

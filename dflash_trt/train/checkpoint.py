@@ -12,7 +12,6 @@ under torchrun only rank 0 saves.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 
 from dflash_trt.atomic import atomic_dir
 from dflash_trt.config import DrafterConfig
-from dflash_trt.errors import ConfigError
+from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.modeling.drafter import DFlashDrafter
 
 SHAPE_FIELDS = (
@@ -45,7 +44,7 @@ def check_resume(ckpt: Path, state: dict, dcfg: DrafterConfig, data_fp: str, tap
             f"tap_scaling={tap_scaling}: the checkpoint in {ckpt} was trained with "
             f"tap_scaling={not tap_scaling}; keep that setting to resume, or train into a new --out"
         )
-    old = DrafterConfig.from_json_dict(json.loads((ckpt / "config.json").read_text()))
+    old = DrafterConfig.load(ckpt)
     differ = [
         f"{f}: checkpoint {getattr(old, f)} vs now {getattr(dcfg, f)}"
         for f in SHAPE_FIELDS
@@ -85,7 +84,10 @@ def init_config(folder: str, dcfg: DrafterConfig) -> DrafterConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"init_from={folder}: no drafter there (config.json missing)")
-    old = DrafterConfig.from_json_dict(json.loads(path.read_text()))
+    try:
+        old = DrafterConfig.load(folder)
+    except CheckpointError as e:  # e.g. config.json not valid JSON
+        raise ConfigError(f"init_from={folder}: {e}") from None
     for f in SHAPE_FIELDS[:-1]:
         if getattr(old, f) != getattr(dcfg, f):
             raise ConfigError(f"init_from={folder}: {f} is {getattr(old, f)} there but {getattr(dcfg, f)} in this run")
