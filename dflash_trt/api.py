@@ -14,6 +14,7 @@ import torch
 
 from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.stopping import model_stop_ids
 from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
@@ -205,12 +206,9 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok) if tok in tokenizer.get_vocab() else None
-        if tid is not None:
-            ids.add(tid)
-    return tuple(sorted(ids))
+    """The tokenizer's part of the default stop ids (decoding/stopping.py model_stop_ids); the
+    engine adds the target's config ids itself (TargetModel.stop_ids)."""
+    return tuple(sorted(model_stop_ids(None, None, tokenizer.get_vocab(), tokenizer.eos_token_id)))
 
 
 @dataclass

@@ -104,13 +104,47 @@ def test_choose_takes_the_copy_only_when_it_expects_more():
 
 def test_copy_survival_is_per_position():
     rec = hybrid.NgramRecord()
-    assert rec.survival(2) == [0.5, 0.25]  # no data: Laplace
+    assert rec.survival(2) == pytest.approx([0.5, 0.5 * hybrid.CONTINUE_PRIOR])  # no data: the priors
     for _ in range(3):  # all or nothing: three copies of 4 taken whole, three rejected at once
         rec.record_copy(4, 4)
         rec.record_copy(4, 0)
     s = rec.survival(4)
     assert rec.reached == [6, 3, 3, 3] and rec.hits == [3, 3, 3, 3]
-    assert s[0] == pytest.approx(0.5) and s[3] == pytest.approx(0.5 * 0.8**3)  # not 0.5**4
+    assert s[0] == pytest.approx(0.5) and s[3] == pytest.approx(0.5 * ((3 + 1.6) / 5) ** 3)  # not 0.5**4
+
+
+def test_a_new_request_starts_from_the_shared_history():
+    """A request's record starts from the earlier requests' verdicts (DrafterRecord.start, at most
+    PRIOR_WEIGHT pseudo-observations), and its own verdicts take over."""
+    rec = hybrid.DrafterRecord()
+    first = rec.start()
+    assert first.survival(3) == pytest.approx([0.5, 0.4, 0.32])  # no history: the priors alone
+    for _ in range(20):
+        first.record_copy(4, 4)  # every copy accepted whole
+    first.record_drafter(10.0, 1)  # a drafter that expected 10 accepted drafts and got 1
+    second = rec.start()
+    s = second.survival(4)
+    assert s == pytest.approx([0.9, 0.864, 0.82944, 0.7962624], rel=1e-6)  # 8 pseudo-copies, all accepted
+    assert second.calibration == pytest.approx((0.8 + 1) / (8 + 1), rel=1e-3)
+    assert first.survival(1)[0] == pytest.approx(21 / 22)  # the first request's own counts are its own
+    for _ in range(10):
+        second.record_copy(4, 0)  # this request's copies fail at once
+    assert second.survival(1)[0] < 0.5
+    # every verdict also went to the history, which decays by 0.99 per verdict recorded (31 here)
+    decayed = sum(0.99**k for k in range(20)) * 0.99**11 + sum(0.99**k for k in range(10))
+    assert rec.history.reached[0] == pytest.approx(decayed, rel=1e-9)
+
+
+def test_a_second_request_copies_from_its_first_round():
+    """Same looping text twice over one drafter: the second request knows copies pay before its own
+    first verdict, so it needs no more rounds than the first and verifies copies at least as often."""
+    t = _looping_target()
+    d = tiny_drafter(t, block_size=4, scale=0.3)
+    prompt, params = [[1, 2, 3, 4, 5, 1, 2, 3]], SamplingParams(max_new_tokens=40, ignore_eos=True)
+    first = generate(t, d, prompt, params, kernels="torch", proposer="hybrid").stats
+    second = generate(t, d, prompt, params, kernels="torch", proposer="hybrid").stats
+    assert second.num_verify_steps <= first.num_verify_steps
+    assert second.sources["copied"]["steps"] >= first.sources["copied"]["steps"] > 0
 
 
 def test_refusals_are_one_line():

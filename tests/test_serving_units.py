@@ -55,6 +55,18 @@ class ListSink:
         return out
 
 
+def serve_one(make, request: TokenRequest, timeout: float = 60, **orch_kw):
+    """One request through a fresh Orchestrator over `make` -> its last (progress, final) message."""
+    orch = Orchestrator(make, **orch_kw).start()
+    try:
+        sink = ListSink()
+        orch.submit(request, sink)
+        assert sink.done.wait(timeout) and not sink.errors, sink.errors
+    finally:
+        orch.stop()
+    return sink.msgs[-1]
+
+
 @pytest.fixture(scope="module")
 def pair():
     t = tiny_target("qwen3")
@@ -292,16 +304,8 @@ def test_orchestrator_reports_draft_sources(proposer):
     make = functools.partial(
         SpecEngine, t, tiny_drafter(t, block_size=4), max_batch=2, max_seq_len=96, proposer=proposer
     )
-    orch = Orchestrator(make, metrics=metrics)
-    orch.start()
     prompt = [5, 6, 7, 8, 9] * 4
-    try:
-        sink = ListSink()
-        orch.submit(TokenRequest(prompt, Sampling(max_tokens=24, return_perf_metrics=True)), sink)
-        assert sink.done.wait(60) and not sink.errors
-    finally:
-        orch.stop()
-    last = sink.msgs[-1][0]
+    last = serve_one(make, TokenRequest(prompt, Sampling(max_tokens=24, return_perf_metrics=True)), metrics=metrics)[0]
     assert last.output_ids == generate_baseline(t, [prompt], SamplingParams(max_new_tokens=24)).tokens[0]
     src = last.perf["sources"]
     assert set(src) == {"drafter", "copied"}

@@ -158,6 +158,8 @@ def test_greedy_tree_equals_target_greedy_and_both_branches_win(fam, rows, monke
 
     monkeypatch.setattr(tree, "pick", spy)
     oracle = NoisyOracle(t, [p + x for p, x in zip(prompts, base)], block_size=6)
+    # never skip the drafter for copies alone (hybrid.copies_win), so that every round with a copy is a tree
+    oracle._hybrid_records = {"tree": DrafterRecord(rounds=1, accepted=99.0, decay=1.0)}
     out = generate(t, oracle, prompts, params, kernels="torch", proposer="tree")
     assert out.tokens == base
     assert any(c > m for m, c in verdicts) and any(m > c for m, c in verdicts), verdicts  # both branches win
@@ -224,7 +226,7 @@ def test_sampled_tree_rows_follow_the_target():
     with torch.no_grad():
         t.lm_head.weight.mul_(8.0)
     d = tiny_drafter(t, block_size=4, scale=3.0)
-    d._hybrid_record = DrafterRecord(rounds=1, accepted=99.0, decay=1.0)  # never skip the drafter for copies
+    d._hybrid_records = {"tree": DrafterRecord(rounds=1, accepted=99.0, decay=1.0)}  # never skip the drafter for copies
     params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=1000, ignore_eos=True)
     out = generate(t, d, [prompt] * N, params, kernels="torch", proposer="tree")
     s = out.stats

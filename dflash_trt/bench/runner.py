@@ -37,7 +37,8 @@ from dflash_trt.bench.schedule import fit_prompt, run_schedule
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
-from dflash_trt.decoding.engine import PROPOSERS, _eos_ids
+from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.stopping import target_stop_ids
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.cpu_pack import pack_hf_model
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
@@ -108,7 +109,7 @@ class BenchContext:
         self.tokenizer = load_tokenizer(self.target_path)
         neutral_generation_config(self.target.hf, self.tokenizer)
         self.stop_ids = stop_ids(self.tokenizer)
-        self.stops = set(self.stop_ids) | set(_eos_ids(self.target))
+        self.stops = set(self.stop_ids) | set(target_stop_ids(self.target))
         self.assistant = cfg.assistant
         self.prompt_lookup_tokens, self.max_matching_ngram = cfg.prompt_lookup_tokens, cfg.max_matching_ngram
         self.triton_url = cfg.triton_url

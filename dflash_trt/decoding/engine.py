@@ -9,8 +9,9 @@ the prompt check it applies are decoding/stats.py, stopping.py and prompt.py.
 
 Per row, between steps: the target cache holds every verified token except `last` (the token
 that opens the next block); the drafter cache holds context K/V for the same positions except
-the `pending` target features from the last verify, which are injected at the start of the next
-step. Both caches therefore always have the same length.
+the `pending` target features (the last verify's, or every verify's since the drafter last ran:
+decoding/context_queue.py), which are injected when the drafter next runs. So the drafter cache's
+length plus pending_n is the target cache's length.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.decoding import hybrid, penalties, proposal, tree
+from dflash_trt.decoding import context_queue, hybrid, penalties, proposal, tree
 from dflash_trt.decoding import verify_cost as verify_costs
 from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
 from dflash_trt.decoding.hybrid import NgramRecord
@@ -29,16 +30,19 @@ from dflash_trt.decoding.ngram import NgramProposal, SuffixIndex
 from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.decoding.proposal import Proposal
 from dflash_trt.decoding.stats import DecodeStats
-from dflash_trt.decoding.stopping import StopRule
+from dflash_trt.decoding.stopping import StopRule, target_stop_ids
 from dflash_trt.decoding.verify import Verdict, accept_rows, sample_tokens, warp_logits
 from dflash_trt.decoding.verify_cost import VerifyCost
 from dflash_trt.errors import DFlashError
 from dflash_trt.families import dflash
 from dflash_trt.modeling import fast_path
-from dflash_trt.modeling.cuda_graph import GraphedPropose, cuda_capture
+from dflash_trt.modeling.cuda_graph import propose_graphs
 
 PROPOSERS = proposal.PROPOSERS
-PROBE_EVERY = 8  # draft_length=cost: a drafter that has not been paying is still tried every 8th round
+# draft_length=cost: a drafter that has not been paying is still tried every 8th round, then every 16th, ...
+# each time a try shows it still not paying, up to every 64th (exponential back-off: every try costs a draft
+# pass and a wider verify, and off its training distribution a drafter rarely starts paying again)
+PROBE_EVERY, PROBE_EVERY_MAX = 8, 64
 NO_COPY = NgramProposal([], 0)
 
 
@@ -108,12 +112,12 @@ class SpecEngine:
         plan = proposal.plan(draft_length, self.draft_cutoff, proposer, self.family.LABEL, offered)
         self.length_source, self.cost_source, self.proposer = plan.length_source, plan.cost_source, proposer
         self.needs, self.variable = plan.needs, plan.variable
-        self.graphs = self._graphs(cuda_graph, _capture)
+        self.graphs = propose_graphs(cuda_graph, drafter, self.drafter_kernels, target.device, _capture)
         self.block_size = drafter.block_size
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or 4096, target.max_context())
         self.tap_layers = list(drafter.target_layer_ids)
-        self.eos = _eos_ids(target)
+        self.eos = target_stop_ids(target)
         self.cost = None
         if self.length_source == "cost":
             self.cost = verify_cost or verify_costs.for_target(
@@ -121,26 +125,13 @@ class SpecEngine:
             )
         self.draft_seconds = 0.0  # running mean of the propose step's time, for draft_length=cost
         self.skipped = 0  # draft_length=cost: rounds the drafter has been skipped since its last probe
-        self.record = hybrid.record_of(drafter)  # the drafter's recent rounds, shared by engines over it
+        self.probe_every = PROBE_EVERY  # draft_length=cost: skipped rounds before the next probe
+        self.deferred = False  # pending holds features of rounds without the drafter (decoding/context_queue.py)
+        self.record = hybrid.record_of(drafter, proposer)  # the drafter's recent rounds, shared by engines over it
         self.reqs: list[_Request] = []  # row order of every batch tensor below
         self.tcache = self.dcache = None
         self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
         self._finished_unreported: list[_Request] = []
-
-    def _graphs(self, mode: str, capture) -> GraphedPropose | None:
-        if mode not in ("auto", "on", "off"):
-            raise DFlashError(f"cuda_graph={mode!r}: expected one of auto, on, off")
-        on_gpu = torch.device(self.target.device).type == "cuda" or capture is not None
-        usable = self.drafter_kernels == "triton" and on_gpu
-        if mode == "on" and not usable:
-            raise DFlashError(
-                f"cuda_graph='on' needs the Triton kernels on a CUDA device (kernels in use: "
-                f"{self.drafter_kernels}, device: {self.target.device}); use cuda_graph='auto' "
-                f"or 'off', or kernels='triton' on a GPU"
-            )
-        if mode == "off" or not usable:
-            return None
-        return GraphedPropose(self.drafter, capture or cuda_capture)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -164,7 +155,7 @@ class SpecEngine:
             req = _Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids)))
             req.pen = penalties.state_for(params, rule.stops, ids, self.target.vocab_size, self.target.device)
             if self.proposer != "dflash":
-                req.index, req.ngram = SuffixIndex(ids), NgramRecord()
+                req.index, req.ngram = SuffixIndex(ids), self.record.start()
             reqs.append(req)
             prompts.append(ids)
         t0 = time.perf_counter()
@@ -196,7 +187,8 @@ class SpecEngine:
             self.tcache.extend(tcache)
             self.dcache.extend(dcache)
             self.last = torch.cat([self.last, last])
-            self.pending = torch.cat([self.pending, pending])
+            width = max(self.pending.shape[1], pending.shape[1])  # a waiting queue may be wider than a block
+            self.pending = torch.cat([context_queue.pad(self.pending, width), context_queue.pad(pending, width)])
             self.pending_n = torch.cat([self.pending_n, pending_n])
         self.reqs.extend(reqs)
 
@@ -251,8 +243,7 @@ class SpecEngine:
             elif prop.drafter_ran:
                 self.record.add(a, drafted[r], t1 - t0)
                 if claimed is not None:
-                    req.ngram.drafter_expected += sum(claimed[r][: drafted[r]])
-                    req.ngram.drafter_accepted += a
+                    req.ngram.record_drafter(sum(claimed[r][: drafted[r]]), a)
             req.stats.draft_time += t1 - t0
             req.stats.verify_time += t2 - t1
             self._emit(req, drafts[r][:a] + [bonus[r]])
@@ -272,7 +263,7 @@ class SpecEngine:
         if self.proposer != "dflash":
             proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
         if self._skip_drafter(proposals, survivals):
-            self.drafter.inject_context(self.pending, self.pending_n, self.dcache)  # keep its context whole
+            self._defer()
             return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V, proposals), {}, survivals)
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
@@ -280,7 +271,7 @@ class SpecEngine:
             block, q, conf = dflash.choose(block, logits, None, rows, gated, warp_logits, sample_tokens)
             conf = {} if conf is None else {"probability": conf}
         else:
-            self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
+            self._inject()
             block = torch.full((R, B), self.drafter.mask_token_id, dtype=torch.long, device=self.last.device)
             block[:, 0] = self.last
             block, q, conf = self.family.propose(
@@ -309,10 +300,26 @@ class SpecEngine:
         if self.length_source != "cost" or not record.rounds:
             return False
         if verify_costs.drafter_pays(record.accepted, 1.0 + record.drafted, record.seconds, len(self.reqs), self.cost):
-            self.skipped = 0
+            self.skipped, self.probe_every = 0, PROBE_EVERY
             return False
-        self.skipped = (self.skipped + 1) % PROBE_EVERY
-        return self.skipped != 0
+        self.skipped += 1
+        if self.skipped < self.probe_every:
+            return True
+        self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_EVERY_MAX)  # probe this round
+        return False
+
+    def _inject(self) -> None:
+        """The drafter's context catches up with the target's: every queued feature is injected."""
+        self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
+        self.deferred = False
+
+    def _defer(self) -> None:
+        """A round without the drafter: its context waits in the queue (decoding/context_queue.py), unless
+        the queue is full or the drafter replays from a CUDA graph, which takes one block's width."""
+        if self.graphs is not None or self.pending.shape[1] >= context_queue.MAX_BLOCKS * self.block_size:
+            self._inject()
+        else:
+            self.deferred = True
 
     def _by_cost(self, prop: Proposal, conf: dict, survivals: list[list[float]] | None) -> Proposal:
         """survivals: the copied rows' (None: no row can copy, proposer=dflash)."""
@@ -335,13 +342,17 @@ class SpecEngine:
         return accept_rows(self.accept_ops, block, logits, q, n_draft, rows, self.variable, self.block_size)
 
     def rewind(self, verdict: Verdict, taps: torch.Tensor) -> None:
-        """Crop the target cache to the accepted prefix; queue its features for the drafter
-        (padded to the block width, the shape the drafter's step and its CUDA graph take)."""
-        R, W = taps.shape[:2]
+        """Crop the target cache to the accepted prefix; queue its features for the drafter (padded to
+        the block width, the shape the drafter's step and its CUDA graph take; after the waiting ones when
+        the drafter was skipped)."""
+        W = taps.shape[1]
         self.tcache.crop(self.tcache.lengths - W + verdict.accepted + 1)
-        if W < self.block_size:
-            taps = torch.cat([taps, taps.new_zeros(R, self.block_size - W, taps.shape[2])], dim=1)
-        self.pending, self.pending_n = taps, verdict.accepted + 1
+        if self.deferred:
+            self.pending, self.pending_n = context_queue.append(
+                self.pending, self.pending_n, taps, verdict.accepted + 1, self.block_size
+            )
+        else:
+            self.pending, self.pending_n = context_queue.pad(taps, self.block_size), verdict.accepted + 1
         self.last = verdict.bonus
 
     # ---- bookkeeping --------------------------------------------------------------------
@@ -372,6 +383,7 @@ class SpecEngine:
         self.reqs = [self.reqs[i] for i in keep]
         if not keep:
             self.tcache = self.dcache = self.last = self.pending = self.pending_n = None
+            self.deferred = False
             return
         rows = torch.tensor(keep, device=self.last.device)
         self.tcache.select_rows(rows)
@@ -381,12 +393,3 @@ class SpecEngine:
     def _report(self, req: _Request) -> RequestOutput:
         new, req.unsent = req.unsent, []
         return RequestOutput(req.request_id, new, req.finish_reason is not None, req.finish_reason, req.stats)
-
-
-def _eos_ids(target) -> frozenset[int]:
-    ids = set()
-    for src in (getattr(target.hf, "generation_config", None), target.config):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if e is not None:
-            ids.update(e if isinstance(e, (list, tuple)) else [e])
-    return frozenset(int(i) for i in ids)

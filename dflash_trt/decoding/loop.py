@@ -16,9 +16,9 @@ import torch
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding import penalties
-from dflash_trt.decoding.engine import SpecEngine, _eos_ids
+from dflash_trt.decoding.engine import SpecEngine
 from dflash_trt.decoding.stats import DecodeStats
-from dflash_trt.decoding.stopping import StopRule
+from dflash_trt.decoding.stopping import StopRule, target_stop_ids
 from dflash_trt.decoding.verify import sample_tokens, warp_logits
 
 
@@ -110,7 +110,7 @@ def generate_baseline(
     prompts = _as_prompts(input_ids)
     R = len(prompts)
     cap = max_seq_len or (max(len(p) for p in prompts) + params.max_new_tokens + 1)
-    eos = _eos_ids(target)
+    eos = target_stop_ids(target)
     rules = [StopRule.for_request(params, eos, len(p), cap) for p in prompts]
     pens = [
         penalties.state_for(params, rule.stops, p, target.vocab_size, target.device) for rule, p in zip(rules, prompts)

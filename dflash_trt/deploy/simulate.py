@@ -61,7 +61,7 @@ def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32
     )
     if config.tie_word_embeddings:
         hf.tie_weights()
-    return TargetModel(hf.eval())
+    return TargetModel(hf.eval(), folder)  # its tokenizer files add stop ids
 
 
 def load_quantized_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None):

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_trt.errors import DFlashError
+
 
 def cuda_capture(fn: Callable[[], tuple]) -> tuple[object, tuple]:
     """fn captured into a torch.cuda.CUDAGraph -> (graph, fn's output tensors, static).
@@ -123,3 +125,21 @@ class GraphedPropose:
             self.graph = DrafterGraph(self.drafter, cache, taps, self.capture)
             self.captures += 1
         return self.graph(taps, num_new, last)
+
+
+def propose_graphs(mode: str, drafter, drafter_kernels: str, device, capture=None) -> GraphedPropose | None:
+    """The engine's cuda_graph option: "auto" | "on" | "off" -> the graphed propose step, or None where it
+    does not apply (graphs replay the Triton kernels' launches, so they need those kernels on a CUDA device;
+    capture: tests' stand-in for cuda_capture)."""
+    if mode not in ("auto", "on", "off"):
+        raise DFlashError(f"cuda_graph={mode!r}: expected one of auto, on, off")
+    on_gpu = torch.device(device).type == "cuda" or capture is not None
+    usable = drafter_kernels == "triton" and on_gpu
+    if mode == "on" and not usable:
+        raise DFlashError(
+            f"cuda_graph='on' needs the Triton kernels on a CUDA device (kernels in use: {drafter_kernels}, "
+            f"device: {device}); use cuda_graph='auto' or 'off', or kernels='triton' on a GPU"
+        )
+    if mode == "off" or not usable:
+        return None
+    return GraphedPropose(drafter, capture or cuda_capture)

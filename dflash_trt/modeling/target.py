@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt.decoding.stopping import model_stop_ids, tokenizer_stops
 from dflash_trt.errors import CheckpointError, DFlashError
 from dflash_trt.modeling.cache import KVCache
 
@@ -53,7 +54,8 @@ class TargetOutput:
 class TargetModel(nn.Module):
     """The target LLM as speculative decoding needs it: ragged batched forward over a KV cache."""
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, folder: str | Path | None = None):
+        """folder: the model folder, whose tokenizer files add to the default stop ids (stop_ids)."""
         super().__init__()
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -73,6 +75,7 @@ class TargetModel(nn.Module):
         self.scale = getattr(attn, "scaling", self.head_dim**-0.5)
         self.has_qk_norm = hasattr(attn, "q_norm")
         self.packed = False  # linear weights prepacked for the CPU (modeling/cpu_pack.py)
+        self.tokenizer_stops = tokenizer_stops(folder) if folder is not None else ({}, None)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -100,7 +103,13 @@ class TargetModel(nn.Module):
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot load the target weights ({type(e).__name__}: {e})") from None
-        return cls(hf.to(device))
+        return cls(hf.to(device), path)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end generation by default (decoding/stopping.py model_stop_ids); computed on
+        each read, so a config edited after load (tests, benchmarks) still counts."""
+        return model_stop_ids(self.config, getattr(self.hf, "generation_config", None), *self.tokenizer_stops)
 
     @property
     def device(self) -> torch.device:

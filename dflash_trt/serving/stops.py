@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+
 
 def clean_stops(words: Sequence[str]) -> tuple[str, ...]:
     """The non-empty stop strings, in order, without duplicates."""
@@ -61,24 +63,53 @@ def cut(text: str, stops: Sequence[str], final: bool, start: int = 0) -> tuple[s
 
 
 class TextStop:
-    """Engine-side matcher of one request: decode the output ids, find where a stop string ends."""
+    """Engine-side matcher of one request: find the output token whose text completes a stop string.
+
+    Incremental, as vLLM's stop-string check: each call decodes only a window of the last ids, so a
+    request's total work grows linearly with its output, not quadratically. The window ids[lo:]
+    starts early enough that its text before the new tokens holds HEAD_SLACK + the longest stop's
+    length in characters: a window starting inside a multi-byte character (or a SentencePiece word)
+    decodes its first characters differently from the full text (U+FFFD, a dropped leading space),
+    so matches are searched only from the window character where a stop string that the text of
+    ids[:start] did not hold can begin, past those first characters. Exact for decoders whose
+    text only grows but for trailing U+FFFD (byte-level BPE, SentencePiece with byte fallback),
+    the rule serving/text.py's streaming rests on too."""
+
+    HEAD_SLACK = 8  # characters: > the 1-4 a window start can garble (orphan UTF-8 bytes, a leading space)
+    FIRST_WINDOW = 8  # tokens decoded before `start` on the first try; doubled until the text is long enough
 
     def __init__(self, codec, words: Sequence[str]):
         self.codec = codec
         self.stops = clean_stops(words)
+        self.longest = max((len(s) for s in self.stops), default=0)
 
     def __bool__(self) -> bool:
         return bool(self.stops)
 
     def match(self, ids: Sequence[int], start: int) -> int | None:
-        """ids: the request's output so far, of which ids[:start] were checked before. Returns the
-        number of ids to keep (through the token completing the first stop string), or None."""
+        """ids: the request's output so far, of which ids[:start] were checked before (by this method,
+        finding no stop string). Returns the number of ids to keep (through the token completing the
+        first stop string), or None."""
         if not self.stops or len(ids) <= start:
             return None
-        if find_stop(self.codec.decode(ids), self.stops) is None:
+        lo, at = self._window(ids, start)
+        if find_stop(self.codec.decode(ids[lo:]), self.stops, at) is None:
             return None
-        # the stop was not in ids[:start] (checked last step): find the first token that completes it
-        for k in range(max(start, 1), len(ids) + 1):
-            if find_stop(self.codec.decode(ids[:k]), self.stops) is not None:
+        # a stop string ends after ids[:start]: the first token that completes it
+        for k in range(max(start, 1), len(ids)):
+            if find_stop(self.codec.decode(ids[lo:k]), self.stops, at) is not None:
                 return k
         return len(ids)
+
+    def _window(self, ids: Sequence[int], start: int) -> tuple[int, int]:
+        """(lo, at): ids[lo:] decoded holds every stop string completed after ids[:start] at a
+        character index >= at. A stop string absent from the text of ids[:start] must end past that
+        text's stable part (U+FFFD at its end may be a character later tokens complete), so it
+        begins at most len(stop) - 1 characters before that part's end."""
+        n = self.FIRST_WINDOW
+        while True:
+            lo = max(0, start - n)
+            before = self.codec.decode(ids[lo:start]).rstrip(REPLACEMENT)
+            if lo == 0 or len(before) >= self.longest + self.HEAD_SLACK:
+                return lo, max(0, len(before) - self.longest + 1)
+            n *= 2

@@ -27,9 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_trt.errors import CheckpointError, DFlashError
-from dflash_trt.serving.stops import clean_stops, cut
-
-REPLACEMENT = "\ufffd"
+from dflash_trt.serving.stops import REPLACEMENT, clean_stops, cut
 
 
 class TextCodec:

@@ -1,0 +1,98 @@
+"""The drafter's context queue (decoding/context_queue.py): features of rounds without the drafter wait and
+are injected in one pass when it next runs. `append` against a per-row list reference; in the engine, after
+every round, the drafter cache plus the queue hold exactly the K/V and features of the text so far (as one
+injection over the whole text would write them), output stays the target's, and the queue really waits."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_drafter, tiny_target
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.decoding import context_queue, engine
+from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.loop import generate_baseline
+from dflash_trt.decoding.verify_cost import VerifyCost
+
+STEEP = VerifyCost([1, 2], [1.0, 2.0])  # verify cost proportional to tokens: an untrained drafter never pays
+
+
+def test_append_equals_per_row_concatenation():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        R, P, W, F = 3, int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g)), 5
+        pending, taps = torch.randn(R, P, F, generator=g), torch.randn(R, W, F, generator=g)
+        pn, nn = torch.randint(0, P + 1, (R,), generator=g), torch.randint(1, W + 1, (R,), generator=g)
+        out, n = context_queue.append(pending, pn, taps, nn, min_width=4)
+        assert n.tolist() == (pn + nn).tolist() and out.shape[1] >= max(4, int(n.max()))
+        for r in range(R):
+            want = torch.cat([pending[r, : pn[r]], taps[r, : nn[r]]])
+            torch.testing.assert_close(out[r, : n[r]], want, atol=0, rtol=0)
+
+
+def _check_context(eng: SpecEngine, t, d, inject, prompts) -> None:
+    """Row by row: drafter cache length + queued == target cache length; the drafter's K/V equal one
+    injection of the text's features; the queue holds the features that follow."""
+    for r, req in enumerate(eng.reqs):
+        text = prompts[int(req.request_id)] + req.output[:-1]  # the target cache holds all but `last`
+        n, k = int(eng.tcache.lengths[r]), int(eng.pending_n[r])
+        m = int(eng.dcache.lengths[r])
+        assert n == len(text) and m + k == n, (n, m, k)
+        ref = t.forward(torch.tensor([text]), t.new_cache(1, 128), eng.tap_layers).taps  # [1, n, F]
+        torch.testing.assert_close(eng.pending[r, :k], ref[0, m:n], atol=1e-5, rtol=1e-5)
+        c = d.new_cache(1, 128)
+        inject(ref[:, :m], torch.tensor([m]), c)  # the drafter's own, unwatched
+        for layer in range(len(c.k)):
+            torch.testing.assert_close(eng.dcache.k[layer][r, :, :m], c.k[layer][0, :, :m], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(eng.dcache.v[layer][r, :, :m], c.v[layer][0, :, :m], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_queue_waits_and_context_stays_whole(monkeypatch):
+    """hybrid + draft_length=cost on a steep curve: the untrained drafter is skipped on most rounds, so the
+    queue grows across rounds (and is injected when full or when the drafter is probed); a request joins
+    while features wait. After every round the context is exact and the output is the target's."""
+    t = tiny_target("qwen3", vocab_size=12)
+    with torch.no_grad():
+        t.lm_head.weight.mul_(6.0)  # peaky: the greedy text loops, so copies exist
+    d = tiny_drafter(t, block_size=4)
+    injected, real = [], d.inject_context
+    monkeypatch.setattr(d, "inject_context", lambda *a: injected.append(int(a[0].shape[1])) or real(*a))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 2, 3]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    eng = SpecEngine(
+        t, d, max_batch=3, max_seq_len=100, kernels="torch", draft_length="cost", proposer="hybrid", verify_cost=STEEP
+    )
+    eng.add_requests([("0", prompts[0], params), ("1", prompts[1], params)])
+    out, rounds, waited = {"0": [], "1": [], "2": []}, 0, 0
+    while eng.has_unfinished():
+        if rounds == 6:
+            eng.add_request("2", prompts[2], params)
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+        rounds += 1
+        waited += eng.deferred
+        if eng.reqs:
+            _check_context(eng, t, d, real, prompts)
+    assert [out[k] for k in "012"] == generate_baseline(t, prompts, params).tokens
+    assert waited >= 3, waited  # features did wait across rounds
+    assert max(injected) > d.block_size  # ... and went in together, more than one round's at once
+    assert max(injected) <= (context_queue.MAX_BLOCKS + 1) * d.block_size  # the queue is bounded
+
+
+def test_probes_back_off(monkeypatch):
+    """A drafter that keeps not paying is tried every 8th round, then every 16th, 32nd, ... (PROBE_EVERY_MAX)."""
+    t = tiny_target("qwen3")
+    d = tiny_drafter(t, block_size=4)
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    eng = SpecEngine(t, d, max_batch=1, max_seq_len=200, kernels="torch", draft_length="cost", verify_cost=STEEP)
+    eng.add_request("0", [1, 2, 3], params)
+    ran, n = [], 0
+    while eng.has_unfinished():
+        before = engine.hybrid.record_of(d).rounds
+        eng.step()
+        ran.append(engine.hybrid.record_of(d).rounds > before)
+        n += 1
+    runs = [i for i, x in enumerate(ran) if x]
+    gaps = [b - a for a, b in zip(runs, runs[1:])]  # rounds from one try to the next
+    assert gaps and gaps[0] == engine.PROBE_EVERY, (runs, n)
+    assert all(b == min(2 * a, engine.PROBE_EVERY_MAX) for a, b in zip(gaps, gaps[1:])), gaps
