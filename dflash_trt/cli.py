@@ -23,6 +23,7 @@ from dflash_trt.cli_shared import (
 from dflash_trt.config import SamplingParams, field_help
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS, length_source
 from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.proposal import AUTO
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
 from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
@@ -113,7 +114,11 @@ def models_list():
     help=DRAFT_CUTOFF_HELP,
 )
 @draft_length_option(DRAFT_LENGTHS)
-@proposer_option(PROPOSERS)
+@proposer_option(
+    (AUTO, *PROPOSERS),
+    help_prefix="auto = hybrid where the drafter gives per-draft probabilities (DFlash, DSpark, Domino), else dflash "
+    "(DFlash 2). ",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(

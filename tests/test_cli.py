@@ -56,7 +56,7 @@ def test_generate_json_matches_baseline(pair):
 
 
 def test_generate_with_draft_cutoff_matches_baseline(pair):
-    res = generate_vs_baseline(pair, "--draft-cutoff", 0.5)
+    res = generate_vs_baseline(pair, "--draft-cutoff", 0.5, "--proposer", "dflash")  # the drafter's drafts alone
     # an untrained drafter is never this sure: every step verifies the last token alone
     assert res["stats"]["num_draft_tokens"] == 0 and res["stats"]["tau"] == 1.0
 
@@ -71,12 +71,13 @@ def test_generate_with_penalties_matches_the_penalised_baseline(pair):
     assert r.exit_code != 0 and r.output.count("\n") == 1 and "min_tokens" in r.output, r.output
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "hybrid"])
+@pytest.mark.parametrize("proposer", ["ngram", "hybrid", None])
 def test_generate_with_proposer_matches_baseline(pair, proposer):
-    """--proposer ngram / hybrid: the same greedy output as the target alone, the drafts' sources in the stats
-    (ngram never runs the drafter: every draft it verifies is copied from the prompt and output)."""
+    """--proposer ngram / hybrid / the default (auto: hybrid for a DFlash drafter): the same greedy output as
+    the target alone, the drafts' sources in the stats (ngram never runs the drafter: every draft it verifies
+    is copied from the prompt and output)."""
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add"
-    args = ("--proposer", proposer, "--prompt", prompt, "--no-chat", "--max-new-tokens", 24)
+    args = (("--proposer", proposer) if proposer else ()) + ("--prompt", prompt, "--no-chat", "--max-new-tokens", 24)
     res = generate_vs_baseline(pair, *args)  # the later --max-new-tokens wins
     s = res["stats"]
     src = s["sources"]

@@ -147,6 +147,18 @@ def test_a_second_request_copies_from_its_first_round():
     assert second.sources["copied"]["steps"] >= first.sources["copied"]["steps"] > 0
 
 
+def test_auto_is_hybrid_where_the_family_gives_probabilities():
+    t = tiny_target("qwen3")
+    assert SpecEngine(t, tiny_drafter(t), kernels="torch", proposer="auto").proposer == "hybrid"
+    cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
+    cfg = dataclasses.replace(
+        cfg,
+        architectures=["DFlash2DraftModel"],
+        family_fields={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 3},
+    )
+    assert SpecEngine(t, DFlashDrafter(cfg).bind(t), kernels="torch", proposer="auto").proposer == "dflash"
+
+
 def test_refusals_are_one_line():
     t = tiny_target("qwen3")
     with pytest.raises(DFlashError, match="proposer='suffix': choose one of dflash, ngram, hybrid"):

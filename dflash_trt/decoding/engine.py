@@ -96,7 +96,8 @@ class SpecEngine:
         proposer: "dflash" (the drafter's block), "ngram" (the continuation copied from the row's own
         text, decoding/ngram.py; the drafter is not run) or "hybrid" (per row and round, the copy when
         it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py) or "tree"
-        (both verified in one pass as a token tree, the longer accepted branch kept; decoding/tree.py).
+        (both verified in one pass as a token tree, the longer accepted branch kept; decoding/tree.py), or
+        "auto" (hybrid where the drafter family gives per-draft probabilities, else dflash: proposal.resolve).
         verify_cost: draft_length="cost" only, the verify cost curve (default: measured here at start-up,
         decoding/verify_cost.py).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
@@ -109,6 +110,7 @@ class SpecEngine:
         self.draft_cutoff = check_cutoff(draft_cutoff)
         self.family = getattr(drafter, "family", dflash)  # test doubles draft as plain DFlash
         offered = self.family.lengths(drafter.config) if hasattr(drafter, "config") else ("probability",)
+        proposer = proposal.resolve(proposer, offered)
         plan = proposal.plan(draft_length, self.draft_cutoff, proposer, self.family.LABEL, offered)
         self.length_source, self.cost_source, self.proposer = plan.length_source, plan.cost_source, proposer
         self.needs, self.variable = plan.needs, plan.variable

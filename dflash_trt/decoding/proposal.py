@@ -18,6 +18,17 @@ from dflash_trt.decoding.verify_cost import VerifyCost, best_width
 from dflash_trt.errors import DFlashError
 
 PROPOSERS = ("dflash", "ngram", "hybrid", "tree")
+# "auto" (the generate command's default): hybrid where the drafter gives per-draft probabilities to weigh
+# against copies (DFlash, DSpark, Domino), else dflash (DFlash 2). Measured on a CPU, hybrid was at least
+# dflash's speed on every target x dataset pair of docs/performance.md ("Copied drafts").
+AUTO = "auto"
+
+
+def resolve(proposer: str, offered: tuple[str, ...]) -> str:
+    """proposer, with AUTO replaced by what this drafter family supports (offered: family.lengths)."""
+    if proposer != AUTO:
+        return proposer
+    return "hybrid" if "probability" in offered else "dflash"
 
 
 @dataclass(frozen=True)
