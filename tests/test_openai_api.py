@@ -7,14 +7,12 @@ full queue refuses requests (HTTP 503)."""
 from __future__ import annotations
 
 import queue
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -26,6 +24,7 @@ openai = pytest.importorskip("openai", reason="openai not installed (pip install
 
 from conftest import processes_mentioning, tiny_pair_dir  # noqa: E402
 from test_openai_schema import CHAT, template_ids  # noqa: E402
+from test_serving import metrics, wait_cancelled  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.decoding.loop import generate_baseline  # noqa: E402
@@ -121,14 +120,6 @@ def expected(models, prompt, max_tokens: int) -> tuple[str, int, int]:
         ids = template_ids(AutoTokenizer.from_pretrained(root / "target"), msgs)
     toks = generate_baseline(target, [ids], SamplingParams(max_new_tokens=max_tokens)).tokens[0]
     return codec.decode(toks), len(toks), len(ids)
-
-
-def metrics(api) -> dict[str, float]:
-    text = urllib.request.urlopen(api.metrics_url, timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^(dflash_\w+)\{[^}]*\} ([0-9.e+-]+)$", text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
 
 
 def _stream_text(stream, chat: bool = False) -> tuple[str, list]:
@@ -235,16 +226,6 @@ def test_bad_chat_requests_get_400_naming_the_field(api):
         assert e.value.body["param"] == param, e.value.body
 
 
-def _wait_cancelled(api, before: float) -> None:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        m = metrics(api)
-        if m.get("dflash_cancelled_requests_total", 0) > before and m.get("dflash_running_requests", 1) == 0:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"cancelled request not freed: {metrics(api)}")
-
-
 def test_client_disconnect_frees_the_request(models, api):
     long = dict(model="tiny", prompt="over the lazy dog", max_tokens=MAX_SEQ - 20, temperature=0)
     long["extra_body"] = {"ignore_eos": True}  # vLLM's extension: the whole length, whatever the model says
@@ -254,12 +235,12 @@ def test_client_disconnect_frees_the_request(models, api):
     first = [next(it), next(it)]
     stream.close()  # the HTTP connection closes; the API cancels the gRPC stream, dflash_bls the engine request
     assert all(c.choices[0].finish_reason is None for c in first)
-    _wait_cancelled(api, before)
+    wait_cancelled(api, before)
     # a non-streamed request whose client gives up (~0.9 s of work here, the client waits 0.1 s)
     before = metrics(api).get("dflash_cancelled_requests_total", 0)
     with pytest.raises(openai.APITimeoutError):
         api.client.with_options(timeout=0.1).completions.create(**long)
-    _wait_cancelled(api, before)
+    wait_cancelled(api, before)
     r = api.client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
     assert r.choices[0].text == expected(models, "hello world", 8)[0]
 

@@ -98,6 +98,17 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
+def wait_cancelled(server, before: float) -> None:
+    """Until the server has counted a cancelled request past `before` and runs none (60 s at most)."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = metrics(server)
+        if m.get("dflash_cancelled_requests_total", 0) > before and m.get("dflash_running_requests", 1) == 0:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"cancelled request not freed: {metrics(server)}")
+
+
 def test_greedy_text_equals_in_process_baseline(models, client):
     for prompt, n in [("hello world", 24), ("héllo wörld ✓ 漢字", 40)]:
         text, n_out, n_in = expected(models, prompt, n)
@@ -220,14 +231,7 @@ def test_client_disconnect_mid_stream_frees_the_request(models, server, client):
     for t in threads:
         t.join(300)
     assert others == {i: expected(models, PROMPTS[i], 40)[0] for i in (1, 2)}
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        m = metrics(server)
-        if m.get("dflash_cancelled_requests_total", 0) > before and m.get("dflash_running_requests", 1) == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"cancelled request not freed: {metrics(server)}")
+    wait_cancelled(server, before)
     assert client.generate("hello world", max_tokens=8)["text"] == expected(models, "hello world", 8)[0]
 
 

@@ -138,21 +138,10 @@ STAGES = (
         "emit",
         S.stage_emit,
         ("serve",),
-        # what emit.py / emit_layout.py read (not backend, sm, attention_backend: no emitted flag depends on them)
-        (
-            "emit",
-            "draft_length",
-            "target_quant",
-            "drafter_quant",
-            "dtype",
-            "max_batch",
-            "max_seq_len",
-            "tp_size",
-            "pp_size",
-            "ep_size",
-            "kv_cache",
-            "cuda_graph_batch_sizes",
-        ),
+        # what emit.py / emit_layout.py read: its own options and the engine's but backend, sm and
+        # attention_backend (no emitted flag depends on them)
+        ("emit", "draft_length", "target_quant", "drafter_quant")
+        + tuple(o for o in ENGINE_OPTS if o not in ("backend", "sm", "attention_backend")),
         ("check", "quantize"),
         lambda c: bool(c.emit),
     ),
