@@ -9,12 +9,15 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_model_dir, tiny_tokenizer
 
+from dflash_trt.config import SamplingParams
 from dflash_trt.errors import DFlashError
 from dflash_trt.modeling.target import TargetModel
 from dflash_trt.serving.engine_factory import load_engine_factory
 from dflash_trt.serving.orchestrator import Orchestrator
 from dflash_trt.serving.protocol import (
+    TEXT_INPUTS,
     RequestError,
+    Sampling,
     batch_rows,
     parse_text_request,
     parse_token_request,
@@ -200,7 +203,7 @@ def test_progress_tensors_roundtrip():
 def test_tensorrtllm_backend_fields_parse_into_sampling():
     base = dict(text_input="hi", max_tokens=8)
     s = parse_text_request(_getter(**base, min_length=3, repetition_penalty=1.2, pad_id=0)).sampling
-    assert (s.min_tokens, s.repetition_penalty, s.to_params().min_tokens) == (3, 1.2, 3)
+    assert (s.params.min_tokens, s.params.repetition_penalty, s.to_params().min_tokens) == (3, 1.2, 3)
     with pytest.raises(RequestError, match="^min_tokens=2, min_length=3: the same setting twice"):
         parse_text_request(_getter(**base, min_tokens=2, min_length=3))
     req = parse_text_request(_getter(**base, bad_words=np.array([[b"fox", b""]], dtype=object)))
@@ -283,3 +286,40 @@ def test_fill_model_repo(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hybrid", "repo"]
     with pytest.raises(DFlashError, match="unknown"):
         default_values("t", "d", typo=1)
+
+
+def test_text_front_door_configs_list_exactly_text_inputs(tmp_path):
+    """protocol.TEXT_INPUTS is what every text front door's hand-kept config.pbtxt declares (name, type,
+    optional), and what the preprocessing step takes is a part of it with the same types."""
+    text_format = pytest.importorskip("google.protobuf.text_format")
+    pb = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] not installed")
+
+    repo = fill_model_repo(default_template_dir(), tmp_path / "repo", default_values(tmp_path / "t", tmp_path / "d"))
+
+    def inputs(model: str) -> dict:
+        cfg = text_format.Parse((repo / model / "config.pbtxt").read_text(), pb.ModelConfig())
+        return {i.name: (pb.DataType.Name(i.data_type), not i.optional) for i in cfg.input}
+
+    declared = {m: inputs(m) for m in ("ensemble", "dflash_bls", "dflash_unary", "preprocessing")}
+    for model in ("ensemble", "dflash_bls", "dflash_unary"):
+        assert declared[model] == TEXT_INPUTS, model
+    pre = declared["preprocessing"]
+    assert set(pre) < set(TEXT_INPUTS) and {k: TEXT_INPUTS[k][0] for k in pre} == {k: t for k, (t, _) in pre.items()}
+
+
+def test_sampling_is_validated_by_sampling_params_alone():
+    """One home for the sampling rules: a request's Sampling refuses exactly what SamplingParams refuses,
+    with its message (max_new_tokens named as the request's max_tokens)."""
+    for bad in (dict(temperature=float("nan")), dict(top_p=0.0), dict(top_k=-1), dict(repetition_penalty=0.0)):
+        with pytest.raises(DFlashError) as want:
+            SamplingParams(max_new_tokens=4, **bad)
+        with pytest.raises(RequestError) as got:
+            Sampling(4, **bad)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(RequestError, match=r"^min_tokens=9: must be an integer in 0..max_tokens=4"):
+        Sampling(4, min_tokens=9)
+    with pytest.raises(RequestError, match=r"^end_id=-2"):
+        Sampling(4, end_id=-2)
+    assert Sampling(4, end_id=7, temperature=0.5).to_params((2,)) == SamplingParams(
+        max_new_tokens=4, temperature=0.5, stop_token_ids=(2, 7), ignore_eos=True
+    )

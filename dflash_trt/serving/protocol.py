@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -135,82 +135,53 @@ def parse_bad_words(get: Getter) -> list[str]:
     return [w for w in _strings(get, "bad_words") if w]
 
 
-@dataclass
 class Sampling:
-    """Fields shared by both request kinds, validated with the messages users see."""
+    """A request's sampling: SamplingParams (config.py, the one home of the sampling rules; it validates
+    them and its messages name the field) plus what only the transport knows: stream, end_id (replaces
+    the model's EOS; -1 = never stop on EOS), return_perf_metrics. `params` keywords are SamplingParams
+    fields (temperature, top_k, top_p, seed, the logit controls); max_tokens is its max_new_tokens."""
 
-    max_tokens: int
-    stream: bool = False
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    end_id: int | None = None  # replaces the model's EOS; -1 = never stop on EOS
-    return_perf_metrics: bool = False
-    # tensorrtllm_backend's logit controls (serving/trtllm_inputs.py), SamplingParams' defaults = off
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    def __init__(
+        self, max_tokens: int, stream: bool = False, end_id: int | None = None, return_perf_metrics=False, **params
+    ):
+        if end_id is not None and end_id < -1:
+            raise RequestError(f"end_id={end_id}: must be a token id, or -1 to ignore EOS")
+        try:
+            self.params = SamplingParams(max_new_tokens=max_tokens, **params)
+        except DFlashError as e:  # the request's field is max_tokens
+            raise RequestError(str(e).replace("max_new_tokens", "max_tokens")) from None
+        self.stream, self.end_id, self.return_perf_metrics = bool(stream), end_id, bool(return_perf_metrics)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_new_tokens
 
     def to_params(self, stop_token_ids=()) -> SamplingParams:
         stops = tuple(stop_token_ids)
-        ignore_eos = self.end_id is not None
         if self.end_id is not None and self.end_id >= 0:
             stops += (self.end_id,)
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            max_new_tokens=self.max_tokens,
-            stop_token_ids=stops,
-            seed=self.seed,
-            ignore_eos=ignore_eos,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            min_tokens=self.min_tokens,
-            bad_words_ids=self.bad_words_ids,
-        )
+        return replace(self.params, stop_token_ids=stops, ignore_eos=self.end_id is not None)
 
 
 def parse_sampling(get: Getter) -> Sampling:
     max_tokens = _int(get, "max_tokens", None)
     if max_tokens is None:
         raise RequestError("max_tokens: required input missing (how many tokens to generate)")
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens={max_tokens}: must be >= 1")
-    s = Sampling(
-        max_tokens=max_tokens,
+    kw = logit_controls(get, _one, RequestError)
+    ids = get("bad_words_ids")  # the engine model's form; text models send `bad_words` (strings)
+    if ids is not None:
+        kw["bad_words_ids"] = tuple(tuple(w) for w in split_stop_sequences(np.asarray(ids).reshape(-1)))
+    return Sampling(
+        max_tokens,
         stream=_bool(get, "stream", False),
+        end_id=_int(get, "end_id", None),
+        return_perf_metrics=_bool(get, "return_perf_metrics", False),
         temperature=_float(get, "temperature", 0.0),
         top_k=_int(get, "top_k", 0),
         top_p=_float(get, "top_p", 1.0),
         seed=_int(get, "seed", None),
-        end_id=_int(get, "end_id", None),
-        return_perf_metrics=_bool(get, "return_perf_metrics", False),
-        **logit_controls(get, _one, RequestError),
+        **kw,
     )
-    ids = get("bad_words_ids")  # the engine model's form; text models send `bad_words` (strings)
-    if ids is not None:
-        s.bad_words_ids = tuple(tuple(w) for w in split_stop_sequences(np.asarray(ids).reshape(-1)))
-    if not np.isfinite(s.temperature) or s.temperature < 0:
-        raise RequestError(  # SamplingParams' rule, said before the request reaches the engine
-            f"temperature={s.temperature}: must be a finite number >= 0 "
-            f"(below {SamplingParams.GREEDY_TEMPERATURE:g} is greedy)"
-        )
-    if s.top_k < 0:
-        raise RequestError(f"top_k={s.top_k}: must be >= 0 (0 disables top-k)")
-    if not (0.0 < s.top_p <= 1.0):
-        raise RequestError(f"top_p={s.top_p}: must be in (0, 1] (1 disables top-p)")
-    if s.end_id is not None and s.end_id < -1:
-        raise RequestError(f"end_id={s.end_id}: must be a token id, or -1 to ignore EOS")
-    try:  # the logit controls' rules are SamplingParams' (config.py); its messages name the field
-        s.to_params()
-    except DFlashError as e:
-        raise RequestError(str(e)) from None
-    return s
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Start and stop a real `tritonserver` on loopback ports for a filled model repository.
+"""Start and stop a real `tritonserver` for a filled model repository (loopback unless told otherwise).
 
 Boundary: process management only. `find_tritonserver()` picks the binary (a system
 `tritonserver` on PATH — GPU host / NGC container — else the one bundled in the PyPI package
@@ -35,10 +35,8 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -46,52 +44,22 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dflash_trt.errors import DFlashError
 from dflash_trt.serving.drain import DRAIN_ENV, write_drain_file
+from dflash_trt.serving.triton_env import (  # noqa: F401  (ServerError, free_port: part of this module's API)
+    HOST,
+    ServerError,
+    find_tritonserver,
+    free_port,
+    libpython_dir,
+    local_host,
+    pytriton_root,
+)
 
-HOST = "127.0.0.1"
 DEFAULT_GRACE_PERIOD = 10.0  # seconds in-flight requests may still run after a stop
 UNLOAD_MARGIN = 30  # seconds Triton gets beyond the grace to unload: the engine loop may be mid-step
 KILL_MARGIN = 10  # seconds past Triton's own exit timeout before SIGKILL
 DRAIN_MARGIN = 5  # seconds past the grace to wait for the engine's last requests (a step in progress) to end
 SHM_DIR = Path("/dev/shm")
-
-
-class ServerError(DFlashError):
-    """tritonserver is missing, failed to start, or did not become ready."""
-
-
-def _pytriton_root() -> Path | None:
-    try:
-        # deferred: optional dependency (the `serve` extra)
-        import pytriton  # noqa: F401  (nvidia-pytriton)
-    except ImportError:
-        return None
-    return Path(pytriton.__file__).parent
-
-
-def find_tritonserver() -> Path:
-    """The tritonserver binary: a system one on PATH if present, else nvidia-pytriton's."""
-    system = shutil.which("tritonserver")
-    if system:
-        return Path(system)
-    root = _pytriton_root()
-    if root is not None and (root / "tritonserver" / "bin" / "tritonserver").is_file():
-        return root / "tritonserver" / "bin" / "tritonserver"
-    raise ServerError(
-        "tritonserver not found: install the serving extra (`pip install 'dflash-trt[serve]'`, "
-        "which brings nvidia-pytriton's bundled server) or run inside an NGC Triton container"
-    )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _libpython_dir() -> str:
-    return sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
 
 
 class TritonServer:
@@ -108,6 +76,9 @@ class TritonServer:
         binary: str | Path | None = None,
         extra_args: list[str] | None = None,
         grace_period: float = DEFAULT_GRACE_PERIOD,
+        grpc_address: str = HOST,
+        http_address: str = HOST,
+        metrics_address: str = HOST,
     ):
         if not isinstance(grace_period, (int, float)) or not 0 <= grace_period < 86400:
             raise ServerError(
@@ -117,9 +88,11 @@ class TritonServer:
         self.model_repo = Path(model_repo).resolve()
         if not self.model_repo.is_dir():
             raise ServerError(f"model repository {self.model_repo}: not a folder (fill one with fill_model_repo)")
-        self.grpc_port = grpc_port or free_port()
-        self.http_port = http_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        # Triton's own endpoints have no authentication: bind them where only trusted callers reach them
+        self.grpc_address, self.http_address, self.metrics_address = grpc_address, http_address, metrics_address
+        self.grpc_port = grpc_port or free_port(grpc_address)
+        self.http_port = http_port or free_port(http_address)
+        self.metrics_port = metrics_port or free_port(metrics_address)
         self.startup_timeout = startup_timeout
         self.log_verbose = log_verbose
         self.binary = Path(binary) if binary else find_tritonserver()
@@ -137,28 +110,36 @@ class TritonServer:
         self._log = None
 
     # ---- endpoints ----------------------------------------------------------------------
+    # what a client on this machine connects to (a server bound to all interfaces: through loopback)
     @property
     def grpc_url(self) -> str:
-        return f"{HOST}:{self.grpc_port}"
+        return f"{local_host(self.grpc_address)}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
+        return f"http://{local_host(self.http_address)}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{HOST}:{self.metrics_port}/metrics"
+        return f"http://{local_host(self.metrics_address)}:{self.metrics_port}/metrics"
+
+    def bound(self) -> str:
+        """Where each endpoint listens, for the ready line (address:port)."""
+        return (
+            f"gRPC {self.grpc_address}:{self.grpc_port}  HTTP {self.http_address}:{self.http_port}  "
+            f"metrics {self.metrics_address}:{self.metrics_port}"
+        )
 
     # ---- environment --------------------------------------------------------------------
     def _bundled(self) -> bool:
-        root = _pytriton_root()
+        root = pytriton_root()
         return root is not None and self.binary.resolve().is_relative_to(root.resolve())
 
     def _prepare_backends(self) -> list[str]:
         """Copy the bundled python backend next to the stub matching this interpreter."""
         if not self._bundled():
             return []  # a system/NGC server ships its own backends and stub
-        dist = _pytriton_root() / "tritonserver"
+        dist = pytriton_root() / "tritonserver"
         ver = f"{sys.version_info.major}.{sys.version_info.minor}"
         stub = dist / "python_backend_stubs" / ver / "triton_python_backend_stub"
         if not stub.is_file():
@@ -171,8 +152,8 @@ class TritonServer:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        libs = [_libpython_dir()]
-        root = _pytriton_root()
+        libs = [libpython_dir()]
+        root = pytriton_root()
         if root is not None and self._bundled():
             libs.insert(0, str(root.parent / "nvidia_pytriton.libs"))
         if env.get("LD_LIBRARY_PATH"):
@@ -190,11 +171,11 @@ class TritonServer:
         return [
             str(self.binary),
             f"--model-repository={self.model_repo}",
-            f"--http-address={HOST}",
+            f"--http-address={self.http_address}",
             f"--http-port={self.http_port}",
-            f"--grpc-address={HOST}",
+            f"--grpc-address={self.grpc_address}",
             f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={HOST}",
+            f"--metrics-address={self.metrics_address}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             f"--exit-timeout-secs={self.exit_timeout}",
@@ -355,13 +336,22 @@ def serve(
     echo=print,
     grace_period: float = DEFAULT_GRACE_PERIOD,
     on_ready=None,
+    addresses: dict[str, str] | None = None,
 ) -> int:
-    """`dflash-trt serve`: run tritonserver on loopback until Ctrl-C / SIGTERM, then drain (requests in
+    """`dflash-trt serve`: run tritonserver (loopback unless `addresses` names grpc_address / http_address /
+    metrics_address) until Ctrl-C / SIGTERM, then drain (requests in
     flight get `grace_period` seconds; a second signal ends them at once) and stop; returns 0 when
     tritonserver exited cleanly, else 1. on_ready(server) -> str runs once the server is ready (e.g.
     the OpenAI API starts listening) and its text is added to the ready line."""
     srv = TritonServer(
-        model_repo, grpc_port, http_port, metrics_port, startup_timeout, log_verbose, grace_period=grace_period
+        model_repo,
+        grpc_port,
+        http_port,
+        metrics_port,
+        startup_timeout,
+        log_verbose,
+        grace_period=grace_period,
+        **(addresses or {}),
     )
     stop = {"now": False}
 
@@ -377,6 +367,8 @@ def serve(
         with srv:
             extra = on_ready(srv) if on_ready is not None else ""
             urls = f"gRPC {srv.grpc_url}  HTTP {srv.http_url}  metrics {srv.metrics_url}{extra}"
+            if any(a != HOST for a in (srv.grpc_address, srv.http_address, srv.metrics_address)):
+                urls += f"  (bound: {srv.bound()})"
             echo(f"ready: {urls}  (log {srv.log_path})")
             while not stop["now"]:
                 if srv.proc is None or srv.proc.poll() is not None:

@@ -222,23 +222,23 @@ class BLSModel:
             threading.Thread(target=self._run, args=(req, answer, i, tag), daemon=True).start()
 
     def _engine_request(self, req: TextRequest, ids: list[int], key: str):
-        s = req.sampling
+        s, p = req.sampling, req.sampling.params
         t = [
             pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
             pb_utils.Tensor("max_tokens", np.array([[s.max_tokens]], np.int32)),
             pb_utils.Tensor("stream", np.array([[self.engine_streams]], np.bool_)),
-            pb_utils.Tensor("temperature", np.array([[s.temperature]], np.float32)),
-            pb_utils.Tensor("top_k", np.array([[s.top_k]], np.int32)),
-            pb_utils.Tensor("top_p", np.array([[s.top_p]], np.float32)),
+            pb_utils.Tensor("temperature", np.array([[p.temperature]], np.float32)),
+            pb_utils.Tensor("top_k", np.array([[p.top_k]], np.int32)),
+            pb_utils.Tensor("top_p", np.array([[p.top_p]], np.float32)),
             pb_utils.Tensor("return_perf_metrics", np.array([[s.return_perf_metrics]], np.bool_)),
             pb_utils.Tensor("request_key", np.array([[key.encode()]], dtype=object)),
         ]
-        if s.seed is not None:
-            t.append(pb_utils.Tensor("seed", np.array([[s.seed]], np.uint64)))
+        if p.seed is not None:
+            t.append(pb_utils.Tensor("seed", np.array([[p.seed]], np.uint64)))
         if s.end_id is not None:
             t.append(pb_utils.Tensor("end_id", np.array([[s.end_id]], np.int32)))
         for name, dtype in ENGINE_FORWARDED.items():  # tensorrtllm_backend's logit controls (parse_sampling)
-            t.append(pb_utils.Tensor(name, np.array([[getattr(s, name)]], dtype)))
+            t.append(pb_utils.Tensor(name, np.array([[getattr(p, name)]], dtype)))
         if req.bad_words:
             words = self.codec.encode_stop_words(bad_word_variants(req.bad_words))
             t.append(pb_utils.Tensor("bad_words_ids", flatten_words(words)))
