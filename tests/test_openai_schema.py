@@ -46,6 +46,14 @@ def _api_error(fn) -> ApiError:
         (dict(prompt=[1, 2, 3]), "prompt"),
         (dict(prompt=["a", "b"]), "prompt"),
         (dict(prompt=""), "prompt"),
+        # the OpenAI API's ranges (narrower than the engine's), then SamplingParams' own rules
+        (dict(temperature=3.0), "temperature"),
+        (dict(temperature=1e9), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(presence_penalty=5.0), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_tokens=17), "min_tokens"),
     ],
 )
 def test_completion_request_refuses_naming_the_field(kw, param):
@@ -192,3 +200,104 @@ def test_the_default_model_id_is_the_builds_target(tmp_path):
     assert default_model_name(repo, target) == "Qwen3-8B"
     (tmp_path / "out" / "build.json").write_text("{not json")
     assert default_model_name(repo, target) == "target"
+
+
+def test_message_fields_outside_openais_are_refused():
+    """As at the top level, an unknown field inside a message is refused naming its path, not dropped."""
+    msgs = [{"role": "user", "content": "hi", "frobnicate": 1}]
+    with pytest.raises(ValueError) as e:
+        ChatCompletionRequest(model="m", messages=msgs)
+    err = validation_error([{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()])  # as FastAPI reports it
+    assert (err.status, err.param) == (400, "messages[0].frobnicate") and "Extra inputs" in err.message
+    ok = [{"role": "assistant", "content": None, "tool_calls": [], "refusal": None}, {"role": "tool", "content": "x"}]
+    assert ChatCompletionRequest(model="m", messages=ok).template_messages()[0]["tool_calls"] == []
+
+
+def _guarded_api(tmp_path, **kw):
+    """The app on uvicorn (port 0) with no Triton behind it."""
+    from dflash_trt.serving.openai_api import OpenAIFrontend, RepoInfo
+    from dflash_trt.serving.server import free_port
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    repo = RepoInfo(tmp_path / "tok", tmp_path / "tiny", MAX_SEQ)
+    return OpenAIFrontend(repo, f"127.0.0.1:{free_port()}", port=0, **kw).start()
+
+
+def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_api_key_body_bound_and_media_type_are_checked_before_the_route(tmp_path):
+    """--api-key: /v1 needs the Bearer key (401 in OpenAI's error shape otherwise, streamed or not),
+    /health stays open; a non-JSON media type is 415, a body over the bound 413 (declared or chunked);
+    a prompt longer than max_seq_len tokens can be is refused at once, untokenized; 503 says Retry-After."""
+    import time
+    import urllib.request
+
+    openai = pytest.importorskip("openai", reason="openai not installed (pip install 'dflash-trt[test]')")
+    api = _guarded_api(tmp_path, api_key="s3cret", max_body_bytes=4096)
+    try:
+        for key in ("wrong", "s3cre", "s3cretx"):
+            client = openai.OpenAI(base_url=api.url, api_key=key, max_retries=0, timeout=30)
+            for stream in (False, True):
+                with pytest.raises(openai.AuthenticationError) as e:
+                    client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=stream)
+                assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key", e.value.body
+                assert "Authorization: Bearer" in e.value.body["message"]
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        with urllib.request.urlopen(api.url.replace("/v1", "/health"), timeout=30) as r:  # no key: still answered
+            pass
+    except urllib.error.HTTPError as e:
+        assert e.code == 503 and json.loads(e.read()) == {"ready": False}  # open, and Triton is not there
+    auth = {"Authorization": "Bearer s3cret"}
+    url = api.url + "/completions"
+    try:
+        client = openai.OpenAI(base_url=api.url, api_key="s3cret", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        status, headers, body = _post(
+            url, b"model=tiny&prompt=hi", {**auth, "Content-Type": "application/x-www-form-urlencoded"}
+        )
+        assert status == 415 and "application/json" in body["error"]["message"], body
+        status, _, body = _post(
+            url,
+            json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode(),
+            {**auth, "Content-Type": "application/json"},
+        )
+        assert status == 413 and "4096 bytes" in body["error"]["message"], body
+        chunks = iter([b'{"model": "tiny", "prompt": "', b"x" * 5000, b'"}'])
+        req = urllib.request.Request(
+            url, data=chunks, headers={**auth, "Content-Type": "application/json"}, method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:  # no Content-Length: counted as it arrives
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 413 and "bytes" in json.loads(e.value.read())["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as e:  # Triton unreachable: retry later
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+    finally:
+        api.stop()
+    big = _guarded_api(tmp_path / "big")  # the default bound (8 MiB): a 2 MB prompt passes it
+    try:
+        client = openai.OpenAI(base_url=big.url, api_key="none", max_retries=0, timeout=30)
+        for call in (
+            lambda: client.completions.create(model="tiny", prompt="ab " * 700_000, max_tokens=2),
+            lambda: client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "ab " * 700_000}]
+            ),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(openai.BadRequestError) as e:
+                call()
+            assert e.value.body["param"] in ("prompt", "messages") and "max_seq_len=256" in e.value.body["message"]
+            assert time.monotonic() - t0 < 2.0, "refused only after tokenizing"
+    finally:
+        big.stop()

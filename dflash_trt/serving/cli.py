@@ -13,9 +13,39 @@ from dflash_trt.cli_shared import friendly_errors
 from dflash_trt.errors import DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.serving.client import DFlashClient
+from dflash_trt.serving.openai_guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
 from dflash_trt.serving.server import DEFAULT_GRACE_PERIOD
 from dflash_trt.serving.server import serve as run
+from dflash_trt.serving.triton_env import HOST, local_host
+
+
+def network_options(f):
+    """serve's addresses (Triton's own endpoints have no authentication: keep them where only trusted
+    callers reach them, docs/deploy.md) and the OpenAI API's key and body bound (applied bottom-up, so
+    --help lists them in the order below)."""
+    f = click.option(
+        "--openai-max-body-bytes",
+        default=DEFAULT_MAX_BODY_BYTES,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Largest OpenAI request body accepted; a larger one gets HTTP 413.",
+    )(f)
+    f = click.option(
+        "--api-key",
+        envvar=API_KEY_ENV,
+        default=None,
+        help=f"Key the OpenAI API requires as 'Authorization: Bearer <key>' on /v1 (/health stays open); "
+        f"or set ${API_KEY_ENV}.",
+    )(f)
+    for name, what in (("metrics", "metrics"), ("http", "HTTP"), ("grpc", "gRPC")):
+        f = click.option(
+            f"--{name}-address",
+            default=HOST,
+            show_default=True,
+            help=f"Address Triton's {what} endpoint binds (0.0.0.0: all interfaces; Triton checks no credentials).",
+        )(f)
+    return f
 
 
 def register(main: click.Group) -> None:
@@ -35,7 +65,13 @@ def register(main: click.Group) -> None:
         type=click.IntRange(0, 65535),
         help="Also serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port.",
     )
-    @click.option("--openai-host", default="127.0.0.1", show_default=True, help="Address the OpenAI API binds.")
+    @click.option(
+        "--openai-host",
+        default=HOST,
+        show_default=True,
+        help="Address the OpenAI API binds (0.0.0.0: all interfaces; set --api-key then).",
+    )
+    @network_options
     @click.option(
         "--served-model-name",
         default=None,
@@ -62,8 +98,14 @@ def register(main: click.Group) -> None:
         openai_host,
         served_model_name,
         grace_period,
+        grpc_address,
+        http_address,
+        metrics_address,
+        api_key,
+        openai_max_body_bytes,
     ):
-        """Start Triton Inference Server on 127.0.0.1 with the DFlash models; Ctrl-C stops it."""
+        """Start Triton Inference Server (on 127.0.0.1 unless the address options say otherwise) with the
+        DFlash models; Ctrl-C stops it."""
         if model_repo is None:
             if not (target and drafter_dir):
                 raise DFlashError("give --model-repo DIR, or --target and --drafter to build one on the fly")
@@ -81,7 +123,15 @@ def register(main: click.Group) -> None:
             if served_model_name is None and target and not Path(target).expanduser().is_dir():
                 served_model_name = target  # a known model name, not its cache folder's
             # built before Triton starts, so a bad tokenizer folder fails at once; listens once Triton is ready
-            api = OpenAIFrontend(model_repo, f"127.0.0.1:{grpc_port}", openai_host, openai_port, served_model_name)
+            api = OpenAIFrontend(
+                model_repo,
+                f"{local_host(grpc_address)}:{grpc_port}",
+                openai_host,
+                openai_port,
+                served_model_name,
+                api_key,
+                openai_max_body_bytes,
+            )
         try:
             code = run(
                 model_repo,
@@ -91,6 +141,7 @@ def register(main: click.Group) -> None:
                 echo=click.echo,
                 grace_period=grace_period,
                 on_ready=api.on_ready if api is not None else None,
+                addresses=dict(grpc_address=grpc_address, http_address=http_address, metrics_address=metrics_address),
             )
         finally:
             if api is not None:

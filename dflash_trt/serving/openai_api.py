@@ -23,8 +23,6 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.client import build_inputs, parse_result
+from dflash_trt.serving.openai_guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from dflash_trt.serving.openai_schema import (
     ApiError,
     ChatCompletionRequest,
@@ -46,51 +45,14 @@ from dflash_trt.serving.openai_schema import (
     new_id,
     usage_chunk,
 )
+from dflash_trt.serving.repo import RepoInfo, default_model_name
 from dflash_trt.serving.text import TextCodec
+from dflash_trt.serving.triton_env import local_host
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 _REQUEST_ID = re.compile(r"^\[request id: [^\]]*\]\s*")
 _FIELD = re.compile(r"^([a-z_]+)(?=[:=])")
-
-
-@dataclass(frozen=True)
-class RepoInfo:
-    """What the API needs from a filled model repository (serving/repo.py placeholders)."""
-
-    tokenizer_dir: Path
-    target_dir: Path
-    max_seq_len: int
-
-    @classmethod
-    def read(cls, model_repo: str | Path) -> RepoInfo:
-        repo = Path(model_repo)
-        bls, engine = _parameters(repo / "dflash_bls" / "config.pbtxt"), _parameters(repo / "dflash" / "config.pbtxt")
-        try:
-            return cls(Path(bls["tokenizer_dir"]), Path(engine["target_dir"]), int(engine.get("max_seq_len", "2048")))
-        except (KeyError, ValueError) as e:
-            raise DFlashError(f"{repo}: model repository lacks or garbles parameter {e} (refill it)") from None
-
-
-def default_model_name(model_repo: Path, target_dir: Path) -> str:
-    """The model id /v1/models reports when --served-model-name is not given: the `target` of the
-    `dflash-trt build` whose model_repo this is (its build.json, one folder up: a registry name, or a
-    folder's name), else the served target folder's name (a build's is just `engine/target`)."""
-    try:
-        target = json.loads((Path(model_repo).parent / "build.json").read_text())["config"]["target"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return target_dir.name
-    return Path(str(target)).name if str(target).strip() else target_dir.name
-
-
-def _parameters(config: Path) -> dict[str, str]:
-    # deferred: protobuf comes with tritonclient (the `serve` extra)
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    if not config.is_file():
-        raise DFlashError(f"{config}: not found; --model-repo must be a repository filled by `dflash-trt build`")
-    cfg = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
-    return {k: v.string_value for k, v in cfg.parameters.items()}
+RETRY_AFTER_S = 1  # 503's Retry-After: a full queue frees a row within a few engine steps
 
 
 def render_chat(codec: TextCodec, messages: list[dict]) -> str:
@@ -193,11 +155,20 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(grpc_url: str, model_name: str, repo: RepoInfo, stream_model: str = "dflash_bls"):
-    """The FastAPI app; its gRPC client opens with the app's lifespan (on uvicorn's event loop)."""
+def create_app(
+    grpc_url: str,
+    model_name: str,
+    repo: RepoInfo,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+):
+    """The FastAPI app behind its RequestGuard (API key, media type, body size: serving/openai_guard.py);
+    its gRPC client opens with the app's lifespan (on uvicorn's event loop)."""
     import tritonclient.grpc.aio as grpc_aio  # deferred: optional dependency (the `serve` extra)
 
     codec = TextCodec.from_dir(repo.tokenizer_dir)
+    # a prompt longer than this many characters holds more than max_seq_len tokens: refused untokenized
+    max_chars = repo.max_seq_len * codec.max_token_chars
     created = int(time.time())
     state: dict = {}
 
@@ -213,7 +184,8 @@ def create_app(grpc_url: str, model_name: str, repo: RepoInfo, stream_model: str
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None  # overloaded or stopping
+        return JSONResponse(e.body(), status_code=e.status, headers=retry)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -248,6 +220,7 @@ def create_app(grpc_url: str, model_name: str, repo: RepoInfo, stream_model: str
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         gen = body.to_generation(repo.max_seq_len)
+        check_length("prompt", len(gen.prompt))
         gen.inputs["apply_chat_template"] = False  # completions are raw prompts whatever the repo's default
         return await respond(request, gen, chat=False, max_field="max_tokens")
 
@@ -255,14 +228,25 @@ def create_app(grpc_url: str, model_name: str, repo: RepoInfo, stream_model: str
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         gen = body.to_generation(repo.max_seq_len)
-        gen.prompt = await asyncio.to_thread(render_chat, codec, body.template_messages())
+        messages = body.template_messages()
+        check_length("messages", sum(len(m.get("content") or "") for m in messages))
+        gen.prompt = await asyncio.to_thread(render_chat, codec, messages)
         gen.inputs["apply_chat_template"] = False
         max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         return await respond(request, gen, chat=True, max_field=max_field)
 
+    def check_length(param: str, chars: int) -> None:
+        if chars > max_chars:  # before any tokenizer sees it (a huge body would take seconds to tokenize)
+            raise bad(
+                param,
+                f"{chars} characters cannot fit max_seq_len={repo.max_seq_len} tokens (no token of this model "
+                f"spans more than {codec.max_token_chars} characters); shorten it",
+            )
+
     async def respond(request, gen: Generation, chat: bool, max_field: str):
-        inputs = build_inputs(gen.prompt, gen.max_tokens, stream=gen.stream, **gen.inputs)
-        call = _Call(state["client"], stream_model, inputs, chat, max_field)
+        # the unary front door (a decoupled: false build) answers once: a streamed request gets one chunk
+        inputs = build_inputs(gen.prompt, gen.max_tokens, stream=gen.stream and repo.streams, **gen.inputs)
+        call = _Call(state["client"], repo.front_door, inputs, chat, max_field)
         rid, now = new_id(chat), int(time.time())
         try:  # the first response before any header: a refused request gets its HTTP status
             first = await _unless_disconnected(request, call.next())
@@ -299,7 +283,7 @@ def create_app(grpc_url: str, model_name: str, repo: RepoInfo, stream_model: str
         finally:
             call.close()
 
-    return app
+    return RequestGuard(app, api_key, max_body_bytes)
 
 
 def validation_error(errors) -> ApiError:
@@ -323,13 +307,23 @@ class OpenAIFrontend:
     """The API on uvicorn in a daemon thread of the serve process. The port is bound at once (a
     taken port fails before Triton spends minutes loading); start() listens, after Triton is ready."""
 
-    def __init__(self, model_repo, grpc_url: str, host: str = "127.0.0.1", port: int = 8080, model_name=None):
+    def __init__(
+        self,
+        model_repo,
+        grpc_url: str,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        model_name=None,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
         self.repo = model_repo if isinstance(model_repo, RepoInfo) else RepoInfo.read(model_repo)
         if model_name is None and not isinstance(model_repo, RepoInfo):
             model_name = default_model_name(model_repo, self.repo.target_dir)
         self.model_name = model_name or self.repo.target_dir.name
         self.host, self.grpc_url = host, grpc_url
-        self.app = create_app(grpc_url, self.model_name, self.repo)  # fails now on a bad tokenizer
+        # fails now on a bad tokenizer
+        self.app = create_app(grpc_url, self.model_name, self.repo, api_key or None, max_body_bytes)
         self._server = self._thread = None
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -342,7 +336,8 @@ class OpenAIFrontend:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        """Where a client on this machine reaches the API (all interfaces: through loopback)."""
+        return f"http://{local_host(self.host)}:{self.port}/v1"
 
     def start(self, timeout: float = 30.0) -> OpenAIFrontend:
         import uvicorn  # deferred: optional dependency (the `serve` extra)

@@ -21,7 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import DFlashError
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# the OpenAI API's own bounds, narrower than what the engine takes (SamplingParams checks the rest)
+OPENAI_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
 # accepted and ignored: they change nothing about the generated text
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
@@ -82,7 +87,7 @@ class _Request(BaseModel):
     def _usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _common(self, max_tokens: int | None, max_field: str) -> dict:
+    def _common(self, max_tokens: int | None, max_field: str, max_seq_len: int) -> dict:
         """Validated inputs every request kind sends (serving/client.py build_inputs keywords)."""
         if self.n not in (None, 1):
             raise bad("n", f"n={self.n}: this server returns one choice per request; send n=1 (or leave it out)")
@@ -92,22 +97,28 @@ class _Request(BaseModel):
             raise bad("logit_bias", "not supported; leave it out")
         if max_tokens is not None and max_tokens < 1:
             raise bad(max_field, f"{max_field}={max_tokens}: must be >= 1")
+        for name, (lo, hi) in OPENAI_RANGES.items():
+            v = getattr(self, name)
+            if v is not None and not lo <= v <= hi:
+                raise bad(name, f"{name}={v}: must be in [{lo}, {hi}] (the OpenAI API's range)")
         temperature = 1.0 if self.temperature is None else self.temperature
-        if not (temperature >= 0 and temperature != float("inf")):
-            raise bad("temperature", f"temperature={temperature}: must be a finite number >= 0 (0 = greedy)")
         top_p = 1.0 if self.top_p is None else self.top_p
-        if not 0 < top_p <= 1:
-            raise bad("top_p", f"top_p={top_p}: must be in (0, 1] (1 disables it)")
         top_k = 0 if self.top_k in (None, -1) else self.top_k
-        if top_k < 0:
-            raise bad("top_k", f"top_k={top_k}: must be >= 0 (0 or -1 disables it)")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise bad("seed", f"seed={self.seed}: must be in 0 .. 2**64-1")
+        controls = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+        given = {k: getattr(self, k) for k in controls if getattr(self, k) is not None}
+        try:  # every other rule is SamplingParams' (config.py): its message names the field
+            SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens or max_seq_len, **given
+            )
+        except DFlashError as e:
+            msg = str(e).replace("max_new_tokens", max_field)
+            raise ApiError(400, msg, msg.split("=")[0]) from None
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        # logit controls go as given; the front door checks their ranges (errors name the field)
-        controls = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words")
         return {
-            **{k: getattr(self, k) for k in controls if getattr(self, k) not in (None, [])},
+            **given,
+            **({"bad_words": self.bad_words} if self.bad_words else {}),
             "temperature": float(temperature),
             "top_p": float(top_p),
             "top_k": int(top_k),
@@ -126,7 +137,7 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
     def to_generation(self, max_seq_len: int) -> Generation:
-        kw = self._common(self.max_tokens, "max_tokens")
+        kw = self._common(self.max_tokens, "max_tokens", max_seq_len)
         if self.logprobs is not None:
             raise bad("logprobs", "not supported; leave it out")
         if self.best_of not in (None, 1):
@@ -153,10 +164,18 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, reasoning...: the template reads them
+    """A message's OpenAI fields (and vLLM's reasoning_content); the chat template reads them. Any other
+    field is refused (400 naming messages[i].field), as at the top level: nothing is silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_dict(self) -> dict:
         """The message as a chat template sees it: content parts joined into one string."""
@@ -184,7 +203,7 @@ class ChatCompletionRequest(_Request):
             raise bad("max_completion_tokens", "give max_completion_tokens or max_tokens, not both")
         field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        kw = self._common(max_tokens, field_name)
+        kw = self._common(max_tokens, field_name, max_seq_len)
         if self.logprobs or self.top_logprobs:
             raise bad("logprobs", "not supported; leave it out")
         for name in ("tools", "functions"):

@@ -6,6 +6,9 @@ placeholders in config.pbtxt files; every other file (model.py, version folders)
 each missing one and its file), writes into a temp folder beside the destination and renames it
 into place, so a failed fill never leaves a half-written repository.
 
+`RepoInfo.read` reads back what the OpenAI API needs from a filled repository (its front door, tokenizer,
+target and context length).
+
 Placeholders: target_dir, drafter_dir, tokenizer_dir, engine_backend, max_batch, max_seq_len,
 dtype, apply_chat_template, triton_max_batch_size, unary_instance_count, cpu_threads,
 draft_cutoff, draft_length, proposer, max_queue, decoupled (`default_values()`).
@@ -13,8 +16,10 @@ draft_cutoff, draft_length, proposer, max_queue, decoupled (`default_values()`).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.atomic import atomic_dir
@@ -144,3 +149,55 @@ def _check_pbtxt(path: Path, text: str) -> None:
         text_format.Parse(text, model_config_pb2.ModelConfig())
     except text_format.ParseError as e:
         raise DFlashError(f"{path.parent.name}/{path.name}: invalid model config after filling: {e}") from None
+
+
+# ---- reading a filled repository (the OpenAI API's view of it) --------------------------------
+FRONT_DOORS = ("dflash_bls", "dflash_unary")  # the streaming one, else the unary one of a decoupled: false build
+
+
+@dataclass(frozen=True)
+class RepoInfo:
+    """What the API needs from a filled model repository (serving/repo.py placeholders)."""
+
+    tokenizer_dir: Path
+    target_dir: Path
+    max_seq_len: int
+    front_door: str = "dflash_bls"  # dflash_unary in a `decoupled: false` build (no streaming front door)
+
+    @classmethod
+    def read(cls, model_repo: str | Path) -> RepoInfo:
+        repo = Path(model_repo)
+        door = next((m for m in FRONT_DOORS if (repo / m / "config.pbtxt").is_file()), FRONT_DOORS[0])
+        bls, engine = _parameters(repo / door / "config.pbtxt"), _parameters(repo / "dflash" / "config.pbtxt")
+        try:
+            max_seq_len = int(engine.get("max_seq_len", "2048"))
+            return cls(Path(bls["tokenizer_dir"]), Path(engine["target_dir"]), max_seq_len, door)
+        except (KeyError, ValueError) as e:
+            raise DFlashError(f"{repo}: model repository lacks or garbles parameter {e} (refill it)") from None
+
+    @property
+    def streams(self) -> bool:
+        """Whether the front door streams (decoupled); the unary one answers a streamed request in one chunk."""
+        return self.front_door == "dflash_bls"
+
+
+def default_model_name(model_repo: Path, target_dir: Path) -> str:
+    """The model id /v1/models reports when --served-model-name is not given: the `target` of the
+    `dflash-trt build` whose model_repo this is (its build.json, one folder up: a registry name, or a
+    folder's name), else the served target folder's name (a build's is just `engine/target`)."""
+    try:
+        target = json.loads((Path(model_repo).parent / "build.json").read_text())["config"]["target"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return target_dir.name
+    return Path(str(target)).name if str(target).strip() else target_dir.name
+
+
+def _parameters(config: Path) -> dict[str, str]:
+    # deferred: protobuf comes with tritonclient (the `serve` extra)
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    if not config.is_file():
+        raise DFlashError(f"{config}: not found; --model-repo must be a repository filled by `dflash-trt build`")
+    cfg = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
+    return {k: v.string_value for k, v in cfg.parameters.items()}

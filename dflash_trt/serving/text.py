@@ -65,6 +65,15 @@ class TextCodec:
     def eos_token_id(self) -> int | None:
         return self.tok.eos_token_id
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the input characters one token covers, so a text longer than n times this
+        holds more than n tokens without being tokenized: the longest vocabulary string (a byte-level
+        BPE string has one character per byte, so at least as many as it decodes to), times 4 for a
+        normalizer's composition (NFC merges a letter and up to three combining marks into one)."""
+        vocab = self.tok.backend.get_vocab(with_added_tokens=True) if self.light else self.tok.get_vocab()
+        return 4 * max(map(len, vocab), default=1)
+
     @property
     def light(self) -> bool:
         return isinstance(self.tok, LightTokenizer)
