@@ -5,9 +5,14 @@
 # it copies, the extras it names, and that the packages it installs resolve on PyPI).
 #
 #   docker build --build-arg TRITON_TAG=<yy.mm> -t dflash-trt .
-#   docker run --gpus all --network host -v $PWD:/work dflash-trt \
-#     bash -c "dflash-trt build --config /work/build.yaml --out /work/out && \
-#              dflash-trt serve --model-repo /work/out/model_repo"
+#   docker run --gpus all -v $PWD:/work dflash-trt dflash-trt build --config /work/build.yaml --out /work/out
+#   docker run --gpus all -v $PWD:/work -p 8001:8001 -p 127.0.0.1:8000:8000 -p 127.0.0.1:8002:8002 dflash-trt
+#
+# The default command binds every endpoint to all of the container's interfaces, so published ports
+# reach it; Triton's own ports (gRPC 8001, HTTP 8000, metrics 8002) check no credentials: publish them
+# only where trusted callers (a gateway) reach them, as the -p lines above do for HTTP and metrics. For
+# the OpenAI API add `--openai-port 8080 --openai-host 0.0.0.0` and an API key (-e DFLASH_TRT_API_KEY=...).
+# With --network host "all interfaces" are the host's: bind addresses explicitly instead (docs/deploy.md).
 #
 # A `backend: trtllm-pytorch` build is served by Triton's own llmapi model instead (no dflash-trt at
 # serve time): `tritonserver --model-repository /work/out/model_repo`, as its model_repo/README.md says.
@@ -45,4 +50,5 @@ ENV DFLASH_TRT_HOME=/work/.cache/dflash-trt
 WORKDIR /work
 # Serve a model repository written by `dflash-trt build` (mount the build folder at the path it was
 # built under: the repository's config files hold absolute paths into it).
-CMD ["dflash-trt", "serve", "--model-repo", "/work/out/model_repo"]
+CMD ["dflash-trt", "serve", "--model-repo", "/work/out/model_repo", \
+     "--grpc-address", "0.0.0.0", "--http-address", "0.0.0.0", "--metrics-address", "0.0.0.0"]

@@ -90,6 +90,17 @@ def test_first_step_checks_the_images_tensorrt_llm_is_at_least_1_3():
 def test_default_command_is_dflash_trt_serve():
     cmd = [a for ins, a in instructions() if ins == "CMD"]
     assert json.loads(cmd[-1])[:2] == ["dflash-trt", "serve"]
+    # a remote client reaches it: every Triton endpoint binds all of the container's interfaces,
+    # with options `dflash-trt serve` takes
+    from dflash_trt.cli import main
+
+    args = json.loads(cmd[-1])[2:]
+    assert all(
+        f"--{e}-address" in args and args[args.index(f"--{e}-address") + 1] == "0.0.0.0"
+        for e in ("grpc", "http", "metrics")
+    )
+    ctx = main.commands["serve"].make_context("serve", list(args), resilient_parsing=True)
+    assert ctx.params["grpc_address"] == "0.0.0.0" and ctx.params["model_repo"] == "/work/out/model_repo"
 
 
 def _pypi_unreachable() -> str | None:

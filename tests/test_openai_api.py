@@ -6,6 +6,8 @@ full queue refuses requests (HTTP 503)."""
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import shutil
 import signal
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -36,6 +39,7 @@ pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),  # conftest.py
 ]
 MAX_SEQ = 256
+API_KEY = "test-key-41"
 PROMPTS = (  # sixteen prompts, as tests/test_serving.py sends
     "hello world|The quick brown fox|def add(a, b):|héllo wörld ✓ 漢字|Speculative decoding|a|"
     "return a + b|lazy dog jumps|ünïcode|The|quick quick quick|brown fox jumps over|verifies them.|"
@@ -52,7 +56,8 @@ def models(tmp_path_factory):
 
 def api_repo(models, name: str, **values):
     """A model repository over the tiny pair holding what the API uses: dflash_bls and the engine
-    (fewer backend processes than the whole repository: a faster start on 2 cores)."""
+    (fewer backend processes than the whole repository: a faster start on 2 cores); with
+    decoupled=False, what `dflash-trt build` writes then: dflash_unary instead of dflash_bls."""
     from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
 
     root, _, _ = models
@@ -60,7 +65,8 @@ def api_repo(models, name: str, **values):
     repo = fill_model_repo(
         default_template_dir(), root / name, default_values(root / "target", root / "drafter", **values)
     )
-    for unused in ("ensemble", "preprocessing", "postprocessing", "dflash_unary"):
+    door = "dflash_bls" if values.get("decoupled", True) else "dflash_unary"
+    for unused in {"ensemble", "preprocessing", "postprocessing", "dflash_unary", "dflash_bls"} - {door}:
         shutil.rmtree(repo / unused)
     return repo
 
@@ -75,7 +81,10 @@ def api(models):
     cmd = [sys.executable, "-c", "import sys; from dflash_trt.cli import main; sys.exit(main())", "serve"]
     cmd += ["--model-repo", str(repo), "--grpc-port", str(ports[0]), "--http-port", str(ports[1])]
     cmd += ["--metrics-port", str(ports[2]), "--openai-port", str(ports[3]), "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # bound to all interfaces (reached here through loopback only), the API with a key from the environment
+    cmd += ["--grpc-address", "0.0.0.0", "--openai-host", "0.0.0.0"]
+    env = dict(os.environ, DFLASH_TRT_API_KEY=API_KEY)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
 
     def read():
@@ -94,8 +103,10 @@ def api(models):
             if seen[-1] is None:  # exited, or silent for 5 minutes
                 pytest.fail(f"serve not ready: {''.join(seen[:-1])}")
         assert f"OpenAI http://127.0.0.1:{ports[3]}/v1" in seen[-1], seen[-1]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[3]}/v1", api_key="none", max_retries=0, timeout=300)
-        yield SimpleNamespace(client=client, metrics_url=f"http://127.0.0.1:{ports[2]}/metrics")
+        assert f"(bound: gRPC 0.0.0.0:{ports[0]}" in seen[-1], seen[-1]
+        base = f"http://127.0.0.1:{ports[3]}/v1"
+        client = openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0, timeout=300)
+        yield SimpleNamespace(client=client, metrics_url=f"http://127.0.0.1:{ports[2]}/metrics", base=base)
         client.close()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(90)
@@ -133,6 +144,19 @@ def test_models_lists_the_served_name(api):
     with pytest.raises(openai.NotFoundError) as e:
         api.client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert e.value.body["param"] == "model" and e.value.body["type"] == "invalid_request_error"
+
+
+def test_a_wrong_or_missing_api_key_is_refused_with_401_streamed_and_unary(api):
+    """serve bound to 0.0.0.0 with $DFLASH_TRT_API_KEY: the key is required on /v1 (the module's other
+    tests send it), refused in OpenAI's error shape; /health stays open."""
+    for key in ("", "test-key-4", API_KEY + "x"):
+        client = openai.OpenAI(base_url=api.base, api_key=key, max_retries=0, timeout=60)
+        for stream in (False, True):
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=stream)
+            assert e.value.body["code"] == "invalid_api_key" and e.value.body["type"] == "invalid_request_error"
+    with urllib.request.urlopen(api.base.replace("/v1", "/health"), timeout=60) as r:
+        assert json.loads(r.read()) == {"ready": True}
 
 
 def test_sixteen_concurrent_greedy_requests_equal_in_process(models, api):
@@ -246,12 +270,14 @@ def test_client_disconnect_frees_the_request(models, api):
 
 
 def test_full_queue_gets_503_in_the_error_shape(models):
-    """An engine taking one request and queueing one more refuses the rest as overloaded: HTTP 503.
-    The API runs in this process here (OpenAIFrontend, port 0), as `serve` runs it in its own."""
+    """An engine taking one request and queueing one more refuses the rest as overloaded: HTTP 503 with
+    Retry-After. The build is `decoupled: false` (dflash_unary, no dflash_bls: serve --openai-port used to
+    refuse it), so a streamed request gets its whole text in one chunk. The API runs in this process here
+    (OpenAIFrontend, port 0, reading the repository as `serve` does)."""
     from dflash_trt.serving.openai_api import OpenAIFrontend
     from dflash_trt.serving.server import TritonServer
 
-    repo = api_repo(models, "repo_queue", max_batch=1, max_queue=1)
+    repo = api_repo(models, "repo_queue", max_batch=1, max_queue=1, decoupled=False)
     long = dict(model="tiny", prompt="over the lazy dog", max_tokens=MAX_SEQ - 20, temperature=0)
     with TritonServer(repo, startup_timeout=300) as srv:
         api = OpenAIFrontend(repo, srv.grpc_url, port=0, model_name="tiny").start()
@@ -262,13 +288,17 @@ def test_full_queue_gets_503_in_the_error_shape(models):
                 try:
                     return client.completions.create(extra_body={"ignore_eos": True}, **long).choices[0].finish_reason
                 except openai.APIStatusError as e:
-                    return e.status_code, e.body
+                    return e.status_code, {**e.body, "retry-after": e.response.headers.get("retry-after")}
 
             with ThreadPoolExecutor(6) as pool:
                 got = list(pool.map(run, range(6)))
+            kw = dict(model="tiny", prompt="hello world", max_tokens=12, temperature=0)
+            streamed, chunks = _stream_text(client.completions.create(stream=True, **kw))
+            assert streamed == expected(models, "hello world", 12)[0] == client.completions.create(**kw).choices[0].text
         finally:
             api.stop()
     refused = [g for g in got if g != "length"]
     assert refused and len(refused) <= 4, got
     for status, body in refused:
         assert status == 503 and body["type"] == "service_unavailable" and "overloaded" in body["message"], body
+        assert body["retry-after"] == "1", body

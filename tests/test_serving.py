@@ -320,7 +320,7 @@ def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path):
     (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     code = (
-        f"from dflash_trt.serving.server import serve; import sys; "
+        f"from dflash_trt.serving.serve_loop import serve; import sys; "
         f"sys.exit(serve({str(tmp_path / 'repo')!r}, {grpc_port}, {http_port}, {metrics_port}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

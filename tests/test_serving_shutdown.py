@@ -23,6 +23,7 @@ import pytest
 from conftest import processes_mentioning, tiny_drafter, tiny_pair_dir, tiny_target
 
 from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.serving.client import DFlashClient
 from dflash_trt.serving.drain import DRAIN_ENV, drain_signal_from_env, write_drain_file
 from dflash_trt.serving.jobs import GRACE_EXPIRED, SHUTTING_DOWN
 from dflash_trt.serving.orchestrator import Orchestrator
@@ -182,7 +183,7 @@ def _start_serve(repo: Path, grace: float, env: dict) -> tuple[subprocess.Popen,
 
     ports = free_port(), free_port(), free_port()
     code = (
-        "import sys; from dflash_trt.serving.server import serve; "
+        "import sys; from dflash_trt.serving.serve_loop import serve; "
         f"sys.exit(serve({str(repo)!r}, *{ports!r}, startup_timeout=300, grace_period={grace}))"
     )
     proc = subprocess.Popen(
@@ -315,3 +316,67 @@ def test_stop_after_a_killed_server_removes_only_its_own_shared_memory(tmp_path)
         assert srv.returncode == -signal.SIGKILL and srv.stop_log_tail  # not a clean exit: its log is kept
     finally:
         other.unlink(missing_ok=True)
+
+
+def test_unload_watch_calls_a_standing_live_model_count_stuck_only_with_nothing_in_flight():
+    from dflash_trt.serving.triton_log import UnloadWatch, loaded_models, unloaded_models
+
+    head = "I1 model_lifecycle.cc:838] \"successfully loaded 'dflash'\"\nI1 x] \"successfully loaded 'dflash_bls'\"\n"
+    log = 'I1 server.cc:321] "Timeout 40: Found 1 model versions that have in-flight inferences"\n'
+    watch = UnloadWatch(stuck_after=5.0)
+    assert not watch.update(log, 0.0) and not watch.update(log, 60.0)  # in flight: never stuck
+    live = '"Timeout {}: Found {} live models and 0 in-flight non-inference requests"\n'
+    log += '"All models are stopped, unloading models"\n' + live.format(40, 2)
+    assert not watch.update(log, 61.0) and not watch.update(log, 65.0)  # still progressing within 5 s
+    log += "\"successfully unloaded 'dflash' version 1\"\n" + live.format(38, 1)
+    assert not watch.update(log, 65.5) and not watch.update(log, 70.0)  # the count moved at 65.5
+    assert watch.update(log, 70.6)
+    assert loaded_models(head) - unloaded_models(log) == {"dflash_bls"}
+    busy = log + '"Timeout 30: Found 1 live models and 1 in-flight non-inference requests"\n'
+    assert not UnloadWatch(0.0).update(busy, 100.0)  # a non-inference request (a repository call) in flight
+    done = log + '"Timeout 37: Found 0 live models and 0 in-flight non-inference requests"\n'
+    assert not UnloadWatch(0.0).update(done, 100.0)
+
+
+@pytest.mark.slow
+def test_sigterm_after_a_refused_then_cancelled_grpc_stream_exits_0_promptly(tmp_path):
+    """Issue #41: one gRPC stream request Triton refuses (batch sizes differ across inputs), then
+    stop_stream(cancel_requests=True). Triton 2.51's gRPC frontend keeps the refused request, and with
+    it dflash_bls, until after its whole exit timeout (before: 43-55 s and exit 1); serve ends it once the
+    unload has stood still with nothing in flight, names the model, and exits 0."""
+    _serving_modules()
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+
+    tiny_pair_dir(tmp_path, block_size=4)
+    values = default_values(tmp_path / "target", tmp_path / "drafter", dtype="float32", max_seq_len=256, cpu_threads=1)
+    repo = fill_model_repo(default_template_dir(), tmp_path / "repo", {**values, "unary_instance_count": 1})
+    for unused in ("ensemble", "preprocessing", "postprocessing", "dflash_unary"):
+        shutil.rmtree(repo / unused)
+    proc, url, _ = _start_serve(repo, 2.0, dict(os.environ))
+    try:
+        answered: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(url)
+        client.start_stream(callback=lambda result, error: answered.put(error))
+        text = grpcclient.InferInput("text_input", [2, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[b"hi"], [b"ho"]], dtype=object))
+        max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+        max_tokens.set_data_from_numpy(np.array([[4]], np.int32))
+        client.async_stream_infer("dflash_bls", [text, max_tokens], request_id="refused")
+        with DFlashClient(url) as c:  # the stream's request has reached Triton (and been refused) by now
+            assert c.stream_text("hello", max_tokens=2, model="dflash_bls")["num_output_tokens"] == 2
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and took < 25, (proc.returncode, took, out[-3000:])
+    assert "could not unload dflash_bls with nothing in flight" in out, out[-3000:]
+    assert not processes_mentioning(str(repo)), "backend stubs left running"

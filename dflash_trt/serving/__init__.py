@@ -21,12 +21,14 @@ mix ensemble inputs with a decoupled step's outputs. Hence streaming clients use
 unary clients `dflash_unary`, and `ensemble` stays for tensorrtllm_backend-style clients.
 All three return the same text: streamed chunks concatenate exactly to the non-streamed text.
 
-Modules: server.py (start/stop tritonserver, `serve`, clean shutdown), drain.py (the drain file
+Modules: server.py (start/stop tritonserver, clean shutdown), serve_loop.py (`dflash-trt serve`'s
+loop and signals), triton_env.py (the binary, the backend's environment, endpoint addresses),
+triton_log.py (reading Triton's stop: unloads stuck with nothing in flight), drain.py (the drain file
 that tells the engine model to finish within a grace period), repo.py (fill templates), client.py
 (DFlashClient), text.py (tokenizer, exact incremental detokenisation), stops.py (text stop
 strings), protocol.py (request validation, tensors), trtllm_inputs.py (tensorrtllm_backend's
 optional inputs), orchestrator.py (step loop), jobs.py (its per-request state, sinks, metrics
-hooks), engine_factory.py (load the pair, make engines), openai_api.py / openai_schema.py
-(the OpenAI-compatible HTTP API in front of the server), triton_dflash.py / triton_text.py (the Python-backend models;
-importable only inside Triton's stub).
+hooks), engine_factory.py (load the pair, make engines), openai_api.py / openai_schema.py /
+openai_guard.py (the OpenAI-compatible HTTP API in front of the server; API key, body bounds),
+triton_dflash.py / triton_text.py (the Python-backend models; importable only inside Triton's stub).
 """

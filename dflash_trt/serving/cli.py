@@ -15,8 +15,8 @@ from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.serving.client import DFlashClient
 from dflash_trt.serving.openai_guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+from dflash_trt.serving.serve_loop import serve as run
 from dflash_trt.serving.server import DEFAULT_GRACE_PERIOD
-from dflash_trt.serving.server import serve as run
 from dflash_trt.serving.triton_env import HOST, local_host
 
 

@@ -240,7 +240,7 @@ def create_app(
             raise bad(
                 param,
                 f"{chars} characters cannot fit max_seq_len={repo.max_seq_len} tokens (no token of this model "
-                f"spans more than {codec.max_token_chars} characters); shorten it",
+                f"covers more than {codec.max_token_chars} characters); shorten it",
             )
 
     async def respond(request, gen: Generation, chat: bool, max_field: str):

@@ -38,7 +38,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,6 +53,7 @@ from dflash_trt.serving.triton_env import (  # noqa: F401  (ServerError, free_po
     local_host,
     pytriton_root,
 )
+from dflash_trt.serving.triton_log import UnloadWatch, loaded_models, unloaded_models
 
 DEFAULT_GRACE_PERIOD = 10.0  # seconds in-flight requests may still run after a stop
 UNLOAD_MARGIN = 30  # seconds Triton gets beyond the grace to unload: the engine loop may be mid-step
@@ -105,6 +105,8 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None  # tritonserver's, once stopped
         self.stop_log_tail = ""  # the log tail of a run that did not exit 0 (its log folder is removed)
+        # models Triton could not unload with nothing in flight (serving/triton_log.py): the process was ended
+        self.stuck_models: list[str] = []
         self._workdir: Path | None = None
         self.log_path: Path | None = None
         self._log = None
@@ -267,16 +269,19 @@ class TritonServer:
             for sig, wait in ((signal.SIGTERM, self.exit_timeout + KILL_MARGIN), (signal.SIGKILL, 10.0)):
                 try:
                     if sig == signal.SIGTERM:  # the server alone: it stops its backend stubs itself, in order
+                        logged = self.log_path.stat().st_size if self.log_path.exists() else 0
                         proc.send_signal(sig)
                     else:
                         os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     break
-                try:
-                    proc.wait(wait)
+                if sig == signal.SIGTERM and self._wait_unload(proc, wait, logged):
                     break
-                except subprocess.TimeoutExpired:
-                    continue
+                if sig == signal.SIGKILL:
+                    try:
+                        proc.wait(wait)
+                    except subprocess.TimeoutExpired:
+                        pass
         if proc is not None:
             try:  # stubs of a killed server: their group is the server's session
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -284,7 +289,7 @@ class TritonServer:
                 pass
             self.returncode = proc.poll()
             self._remove_shared_memory()
-            if self.returncode != 0:
+            if self.returncode != 0 and not self.stuck_models:
                 self.stop_log_tail = self.log_tail()
         if self._log is not None:
             self._log.close()
@@ -293,6 +298,27 @@ class TritonServer:
         if self._workdir is not None and not os.environ.get("DFLASH_KEEP_TRITON_LOGS"):
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+    def _wait_unload(self, proc: subprocess.Popen, timeout: float, logged: int) -> bool:
+        """After the SIGTERM: True once tritonserver exited, or once its unload is stuck with nothing in
+        flight (triton_log.py: a model held by a refused request of a cancelled gRPC stream, which
+        Triton 2.51 frees only after the wait it would run to its exit timeout); then the whole group is
+        ended here and self.stuck_models names the models. False when the timeout passed."""
+        watch, deadline = UnloadWatch(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(0.25)
+                return True
+            except subprocess.TimeoutExpired:
+                pass
+            log = self.log_path.read_bytes()[logged:].decode(errors="replace") if self.log_path.exists() else ""
+            if watch.update(log, time.monotonic()):
+                every = loaded_models(self.log_path.read_text(errors="replace"))
+                self.stuck_models = sorted(every - unloaded_models(log)) or ["(unnamed)"]
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10.0)
+                return True
+        return False
 
     def _engine_requests(self) -> int | None:
         """Requests the engine model still runs or queues (its metrics); None without any to read."""
@@ -324,68 +350,3 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def serve(
-    model_repo: str | Path,
-    grpc_port: int = 8001,
-    http_port: int = 8000,
-    metrics_port: int = 8002,
-    startup_timeout: float = 600.0,
-    log_verbose: int = 0,
-    echo=print,
-    grace_period: float = DEFAULT_GRACE_PERIOD,
-    on_ready=None,
-    addresses: dict[str, str] | None = None,
-) -> int:
-    """`dflash-trt serve`: run tritonserver (loopback unless `addresses` names grpc_address / http_address /
-    metrics_address) until Ctrl-C / SIGTERM, then drain (requests in
-    flight get `grace_period` seconds; a second signal ends them at once) and stop; returns 0 when
-    tritonserver exited cleanly, else 1. on_ready(server) -> str runs once the server is ready (e.g.
-    the OpenAI API starts listening) and its text is added to the ready line."""
-    srv = TritonServer(
-        model_repo,
-        grpc_port,
-        http_port,
-        metrics_port,
-        startup_timeout,
-        log_verbose,
-        grace_period=grace_period,
-        **(addresses or {}),
-    )
-    stop = {"now": False}
-
-    def _on_signal(signum, frame):
-        if stop["now"]:  # a second Ctrl-C / SIGTERM while draining: no more grace
-            srv.hurry()
-        stop["now"] = True
-
-    main = threading.current_thread() is threading.main_thread()
-    # Ctrl-C drains too (not a KeyboardInterrupt): the same clean stop as SIGTERM
-    old = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
-        with srv:
-            extra = on_ready(srv) if on_ready is not None else ""
-            urls = f"gRPC {srv.grpc_url}  HTTP {srv.http_url}  metrics {srv.metrics_url}{extra}"
-            if any(a != HOST for a in (srv.grpc_address, srv.http_address, srv.metrics_address)):
-                urls += f"  (bound: {srv.bound()})"
-            echo(f"ready: {urls}  (log {srv.log_path})")
-            while not stop["now"]:
-                if srv.proc is None or srv.proc.poll() is not None:
-                    echo(f"tritonserver exited; log tail:\n{srv.log_tail()}")
-                    return 1
-                time.sleep(0.5)
-            echo(
-                f"stopping: requests in flight have {srv.grace_period:g} s to finish "
-                "(Ctrl-C / SIGTERM again to end them now)"
-            )
-            srv.stop()
-    except KeyboardInterrupt:  # not the main thread: no handler of ours; the context exit drains
-        pass
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    if srv.returncode not in (0, None):
-        echo(f"tritonserver exited with code {srv.returncode} while stopping; log tail:\n{srv.stop_log_tail}")
-        return 1
-    return 0

@@ -10,8 +10,10 @@ The front doors tokenize in-process, run the `dflash` engine model through BLS (
 decoupled engine to stream, so a client's disconnect is noticed within one step), detokenise with
 a per-request StreamDetokenizer, and answer with the TEXT_OUTPUTS of serving/protocol.py. On a
 cancelled client they send `dflash` a `cancel_key` request, since BLS response iterators have no
-cancel in Triton 2.51. Both answer every request through its response sender as soon as it is
-done (`execute` returns None), so a short request never waits for a long one of its dynamic batch.
+cancel in Triton 2.51; a request still queued in the engine (no response yet) is watched by
+_QueuedWatch, so its cancel lands within ~0.1 s too, not at admission. Both answer every request
+through its response sender as soon as it is done (`execute` returns None), so a short request
+never waits for a long one of its dynamic batch.
 A request of several rows (batch dimension > 1) runs each row as its own generation and gets one
 response with the rows in order. Stop strings (`stop_words`) are text (serving/stops.py): the
 engine ends the request at the token completing one, the text is cut before it.
@@ -20,6 +22,7 @@ engine ends the request at the token completing one, the text is cut before it.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -49,6 +52,7 @@ from dflash_trt.serving.triton_dflash import (
 )
 from dflash_trt.serving.trtllm_inputs import ENGINE_FORWARDED, bad_word_variants, flatten_words
 
+QUEUED_CANCEL_POLL = 0.1  # seconds between looks at the clients of requests queued in the engine
 _ENGINE_OUTPUTS = [
     "output_ids",
     "num_prev_tokens",
@@ -184,6 +188,43 @@ class _Answer:
                     self.sender.send(_error_response("request cancelled", "CANCELLED"), flags=FINAL)
 
 
+class _QueuedWatch:
+    """One thread for all of a front door's requests that have no engine response yet. A request waiting
+    in the engine's queue gets none, so BLSModel._run would not see its client go before admission (tens of
+    seconds under load); this polls their clients and sends the engine the cancel, which ends a waiting
+    request at once (answered 'cancelled'). Sent again each second while unanswered: a cancel that
+    overtook its request (not yet queued) finds nothing to cancel."""
+
+    def __init__(self, cancel, poll: float = QUEUED_CANCEL_POLL):
+        self.cancel, self.poll = cancel, poll
+        self.waiting: dict[str, list] = {}  # key -> [answer, when the next cancel may go]
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        threading.Thread(target=self._run, name="dflash-bls-queued-cancels", daemon=True).start()
+
+    def add(self, key: str, answer: _Answer) -> None:
+        with self.lock:
+            self.waiting[key] = [answer, 0.0]
+
+    def remove(self, key: str) -> None:
+        with self.lock:
+            self.waiting.pop(key, None)
+
+    def close(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.poll):
+            with self.lock:
+                entries = list(self.waiting.items())
+            for key, entry in entries:
+                if time.monotonic() >= entry[1] and entry[0].is_cancelled():
+                    entry[1] = time.monotonic() + 1.0
+                    try:
+                        self.cancel(key)
+                    except Exception:  # the engine model is stopping: its drain ends the request anyway
+                        pass
+
+
 class BLSModel:
     def initialize(self, args):
         self.codec, params, cfg = _load_codec(args)
@@ -192,6 +233,7 @@ class BLSModel:
         # false when the build made the engine model unary (decoupled: false): one response per request
         self.engine_streams = params.get("engine_decoupled", "true").strip().lower() != "false"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        self.queued = _QueuedWatch(self._cancel)
 
     def execute(self, requests):
         for request in requests:
@@ -276,8 +318,11 @@ class BLSModel:
         prefix = "" if req.exclude_input_in_output else detok.add(ids)
         detok.watch(req.stop_words)  # stop strings are searched in the output text only
         text, ended = "", False  # ended: answered in full, cancelled, or cut at a stop string here
+        if self.engine_streams:  # until the engine's first response; then the loop below sees cancels
+            self.queued.add(key, answer)
         try:
             for resp in self._responses(self._engine_request(req, ids, key)):
+                self.queued.remove(key)
                 if resp.has_error():
                     answer.error(f"{tag}{resp.error().message()}")
                     return
@@ -308,6 +353,11 @@ class BLSModel:
                 answer.error(f"{tag}{engine_ended_early_message()}")
         except Exception as e:  # never leave a request without its final response
             answer.error(f"{tag}{self.name}: {type(e).__name__}: {e}")
+        finally:
+            self.queued.remove(key)
+
+    def finalize(self):
+        self.queued.close()
 
 
 def _out(resp, name):
