@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -82,7 +83,7 @@ def api(models):
     cmd += ["--model-repo", str(repo), "--grpc-port", str(ports[0]), "--http-port", str(ports[1])]
     cmd += ["--metrics-port", str(ports[2]), "--openai-port", str(ports[3]), "--served-model-name", "tiny"]
     # bound to all interfaces (reached here through loopback only), the API with a key from the environment
-    cmd += ["--grpc-address", "0.0.0.0", "--openai-host", "0.0.0.0"]
+    cmd += ["--openai-host", "0.0.0.0"] + [f"--{e}-address=0.0.0.0" for e in ("grpc", "http", "metrics")]
     env = dict(os.environ, DFLASH_TRT_API_KEY=API_KEY)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
@@ -149,12 +150,18 @@ def test_models_lists_the_served_name(api):
 def test_a_wrong_or_missing_api_key_is_refused_with_401_streamed_and_unary(api):
     """serve bound to 0.0.0.0 with $DFLASH_TRT_API_KEY: the key is required on /v1 (the module's other
     tests send it), refused in OpenAI's error shape; /health stays open."""
-    for key in ("", "test-key-4", API_KEY + "x"):
+    for key in ("test-key-4", API_KEY + "x"):
         client = openai.OpenAI(base_url=api.base, api_key=key, max_retries=0, timeout=60)
         for stream in (False, True):
             with pytest.raises(openai.AuthenticationError) as e:
                 client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=stream)
             assert e.value.body["code"] == "invalid_api_key" and e.value.body["type"] == "invalid_request_error"
+    for stream in (False, True):  # no Authorization header at all
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": stream}).encode()
+        req = urllib.request.Request(api.base + "/completions", body, {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
     with urllib.request.urlopen(api.base.replace("/v1", "/health"), timeout=60) as r:
         assert json.loads(r.read()) == {"ready": True}
 

@@ -377,6 +377,7 @@ def test_sigterm_after_a_refused_then_cancelled_grpc_stream_exits_0_promptly(tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    print(f"SIGTERM to exit: {took:.1f} s, exit {proc.returncode}")
     assert proc.returncode == 0 and took < 25, (proc.returncode, took, out[-3000:])
     assert "could not unload dflash_bls with nothing in flight" in out, out[-3000:]
     assert not processes_mentioning(str(repo)), "backend stubs left running"
