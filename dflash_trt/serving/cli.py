@@ -120,6 +120,10 @@ def register(main: click.Group) -> None:
             # deferred: fastapi/uvicorn (the `serve` extra) load only when the API is asked for
             from dflash_trt.serving.openai_api import OpenAIFrontend
 
+            if not api_key and openai_host not in ("127.0.0.1", "::1", "localhost"):
+                click.echo(
+                    f"warning: the OpenAI API on {openai_host} takes requests from anyone: set --api-key", err=True
+                )
             if served_model_name is None and target and not Path(target).expanduser().is_dir():
                 served_model_name = target  # a known model name, not its cache folder's
             # built before Triton starts, so a bad tokenizer folder fails at once; listens once Triton is ready
