@@ -118,3 +118,29 @@ def test_split_feature_store_equals_single_process_store(split_run, tmp_path):
     assert json.loads((folder / "store" / "complete").read_text()) == json.loads(
         (tmp_path / "one" / "complete").read_text()
     )
+
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_training_with_a_split_target_equals_one_process(split_run, tmp_path, one_torch_thread, features):
+    """`train --split-target` on two gloo ranks (each a pipeline stage and a DDP rank) reaches the
+    drafter weights of one process training with the whole target, to fp32 rounding; offline, the
+    ranks build the feature store together first."""
+    import os
+
+    from test_train_ddp import BASE, _data, _free_port, _same, _weights
+
+    from dflash_trt.train.trainer import TrainConfig, train
+
+    folder, whole, _ = split_run
+    data = str(_data(tmp_path / "data", whole))
+    cfg = dict(BASE, data=data, max_steps=3, features=features)
+    train(TrainConfig(out=str(tmp_path / "one"), **cfg), target=whole, progress=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd += ["-m", "dflash_trt.cli", "train", "--split-target", "--target", str(folder / "target"), "--dtype", "float32"]
+    cmd += ["--out", str(tmp_path / "split"), "--device", "cpu"]
+    for k, v in cfg.items():
+        flag = "--" + k.replace("_", "-")
+        cmd += [flag if v is not False else "--no-" + k.replace("_", "-")] + ([] if isinstance(v, bool) else [str(v)])
+    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _same(_weights(tmp_path / "split"), _weights(tmp_path / "one"))

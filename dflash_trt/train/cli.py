@@ -28,6 +28,7 @@ from dflash_trt.train.data import generate_data, is_validation, mark_validation,
 from dflash_trt.train.evaluate import evaluate, print_eval
 from dflash_trt.train.prompts import HELD_OUT, load_prompts
 from dflash_trt.train.remote import Regenerator, ServerConfig, generate_remote
+from dflash_trt.train.split_target import train_split
 from dflash_trt.train.trainer import TrainConfig, train
 
 
@@ -199,9 +200,16 @@ def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
 
 @click.command("train")
 @click.option("--config", "config_path", default=None, help="YAML file mirroring TrainConfig.")
+@click.option(
+    "--split-target",
+    is_flag=True,
+    default=False,
+    help="Under torchrun: the target's layers split into one pipeline stage per rank (targets larger than "
+    "one device); the ranks still train the drafter data-parallel.",
+)
 @_options_from_dataclass(TrainConfig)
 @friendly_errors
-def train_cmd(config_path, **overrides):
+def train_cmd(config_path, split_target, **overrides):
     """Train a drafter of any family (resumes from OUT/checkpoint); writes OUT/drafter. Under torchrun
     (`torchrun --nproc_per_node N -m dflash_trt.cli train ...`) the ranks split every batch."""
     if overrides.get("target_layer_ids"):
@@ -216,7 +224,7 @@ def train_cmd(config_path, **overrides):
     else:
         cfg = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
     try:
-        final = train(cfg)
+        final = train_split(cfg) if split_target else train(cfg)
         if distributed.rank() == 0:  # torchrun: one line, not one per rank
             click.echo(final)
     finally:

@@ -120,6 +120,8 @@ class FeatureStore:
         the new ones; anything else is recomputed from scratch. With a split target every rank calls
         this (collective): rank 0 decides and prepares the file, each rank computes its share of
         every batch through the pipeline and writes its own rows."""
+        if FeatureStore.holds(folder, seqs, tap_layers):  # every rank reads the same marker: no collective
+            return
         split = isinstance(target, StageTarget)
         width = len(tap_layers) * target.config.hidden_size
         fp = FeatureStore.fingerprint(seqs, _feature_salt(tap_layers))
