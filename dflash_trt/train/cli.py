@@ -28,7 +28,7 @@ from dflash_trt.train.data import generate_data, is_validation, mark_validation,
 from dflash_trt.train.evaluate import evaluate, print_eval
 from dflash_trt.train.prompts import HELD_OUT, load_prompts
 from dflash_trt.train.remote import Regenerator, ServerConfig, generate_remote
-from dflash_trt.train.split_target import train_split
+from dflash_trt.train.split_training import train_split
 from dflash_trt.train.trainer import TrainConfig, train
 
 

@@ -30,9 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_trt.api import parse_dtype, resolve_device, resolve_target_dir
 from dflash_trt.errors import CheckpointError, DFlashError
 from dflash_trt.modeling.cache import KVCache
 from dflash_trt.modeling.target import TargetModel
+from dflash_trt.train import distributed
 
 
 def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -204,48 +206,11 @@ class StageTarget:
 
 def load_split_target(name_or_dir: str, dtype: str, device: str) -> StageTarget:
     """This torchrun rank's stage (the process group is joined here: gloo on CPU, nccl on CUDA)."""
-    from dflash_trt.api import parse_dtype, resolve_device, resolve_target_dir  # deferred: api imports train code
-    from dflash_trt.train import distributed
-
     world = distributed.world_size()
     if world < 2:
         raise DFlashError("--split-target: run under torchrun with 2 or more processes (one stage each)")
     dev = resolve_device(distributed.local_device(device))
     distributed.setup(dev)
-    stage = StageTarget.load(
+    return StageTarget.load(
         resolve_target_dir(name_or_dir), parse_dtype(dtype, True, dev), dev, distributed.rank(), world
     )
-    return stage
-
-
-def train_split(cfg, progress: bool = True) -> Path:
-    """`dflash-trt train --split-target` (under torchrun): cfg.target split over the ranks, which are
-    also the drafter's DDP ranks. Refused up front, naming the field: what needs the target's whole
-    forward (families with target-logit terms), validation (Validator runs on rank 0 alone), and a
-    data size whose short last batch leaves a rank without sequences (every rank takes part in each
-    pipeline pass). Offline features are built here by all ranks together before training, so the
-    trainer's rank-0 build finds them complete."""
-    # deferred: trainer imports features, which imports this module
-    from dflash_trt.errors import ConfigError
-    from dflash_trt.train.data import data_folders, training_sequences
-    from dflash_trt.train.distill import feature_layers
-    from dflash_trt.train.features import offline_features
-    from dflash_trt.train.trainer import FAMILY_NAMES, _drafter_config, train
-
-    if FAMILY_NAMES[cfg.family].TEACHER is not None:
-        raise ConfigError(f"family={cfg.family}: its loss needs the target's logits per block; not with --split-target")
-    if cfg.val_data:
-        raise ConfigError("val_data: not with --split-target (validation runs on one rank); evaluate afterwards")
-    seqs = training_sequences(cfg, data_folders(cfg))
-    stage = load_split_target(cfg.target, cfg.dtype, cfg.device)
-    short = len(seqs) % cfg.batch_size
-    if 0 < short < stage.world:
-        raise ConfigError(
-            f"batch_size={cfg.batch_size}: the {len(seqs)} sequences leave a last batch of {short}, fewer than the "
-            f"{stage.world} pipeline ranks; pick a batch_size dividing {len(seqs)} or leaving >= {stage.world}"
-        )
-    if cfg.features == "offline":
-        dcfg, _ = _drafter_config(cfg, stage, seqs)
-        layers = feature_layers(dcfg.target_layer_ids, stage.num_layers, cfg.kd_weight > 0)
-        offline_features(cfg, stage, dcfg, seqs, Path(cfg.out), layers)
-    return train(cfg, target=stage, progress=progress)
