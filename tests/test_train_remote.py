@@ -229,7 +229,8 @@ def test_killed_run_resumes_after_its_finished_shards(fake, tmp_path):
     srv.release.set()
     before = len(srv.seen)
     generate_remote(Regenerator(cfg(srv.url, concurrency=2)), PROMPTS, out, shard_size=3, progress=False)
-    assert sorted(srv.seen[before:]) == sorted(PROMPTS[6:])  # shards 0 and 1 were not redone
+    again = set(srv.seen[before:])  # (a request the killed run had sent may be recorded late: prompts 6-9 only)
+    assert again >= set(PROMPTS[6:]) and not again & set(PROMPTS[:6])  # shards 0 and 1 were not redone
     one_shot = generate_remote(Regenerator(cfg(srv.url)), PROMPTS, tmp_path / "once", shard_size=3, progress=False)
     assert shard_texts(out) == shard_texts(one_shot)
 

@@ -190,24 +190,26 @@ def generate_remote(
     out, cfg = Path(out_dir), regen.cfg
     out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(prompts), desc=f"answers from {cfg.url}", disable=not progress)
+    shards = []  # (index, lines already written, prompt indices still to answer)
+    for i in range((len(prompts) + shard_size - 1) // shard_size):
+        first, last = i * shard_size, min(len(prompts), (i + 1) * shard_size)
+        lines = shard_lines(out, i)[: last - first]
+        bar.update(len(lines))
+        if first + len(lines) < last:
+            shards.append((i, lines, range(first + len(lines), last)))
     with ThreadPoolExecutor(cfg.concurrency) as pool:
-        for i in range((len(prompts) + shard_size - 1) // shard_size):
-            first = i * shard_size
-            part = prompts[first : first + shard_size]
-            lines = shard_lines(out, i)
-            bar.update(min(len(lines), len(part)))
-            if len(lines) >= len(part):
-                continue
-            todo = list(range(first + len(lines), first + len(part)))
-            futures = [pool.submit(regen, prompts[j], j) for j in todo]
-            try:
-                for f in futures:  # in prompt order; the pool keeps cfg.concurrency requests running
-                    lines.append(f.result())
+        # all submitted at once, in prompt order: the pool keeps cfg.concurrency requests running across
+        # shard boundaries (a shard's slowest answer does not idle the others); shards are written in order
+        futures = {j: pool.submit(regen, prompts[j], j) for _, _, todo in shards for j in todo}
+        try:
+            for i, lines, todo in shards:
+                for j in todo:
+                    lines.append(futures[j].result())
                     bar.update(1)
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-            write_shard(out, i, lines)
+                write_shard(out, i, lines)
+        except BaseException:
+            for f in futures.values():
+                f.cancel()
+            raise
     bar.close()
     return out
