@@ -263,3 +263,26 @@ def test_served_answers_equal_in_process_greedy_generation(models, api, tmp_path
     assert regen.model == "tiny"
     served = generate_remote(regen, prompts, tmp_path / "served", shard_size=4, progress=False)
     assert shard_texts(served) == shard_texts(mine) and len(shard_texts(mine)) == 2
+
+
+def test_openai_schema_return_token_ids():
+    """dflash-trt serve's side (serving/openai_schema.py): the field reaches the front door, is
+    refused when streamed, and the response carries the ids where vLLM and SGLang put them."""
+    from dflash_trt.serving.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, completion_body
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert (
+        ChatCompletionRequest(model="m", messages=msgs, return_token_ids=True)
+        .to_generation(64)
+        .inputs["return_token_ids"]
+    )
+    assert "return_token_ids" not in CompletionRequest(model="m", prompt="hi").to_generation(64).inputs
+    with pytest.raises(ApiError, match="return_token_ids: only with stream=false"):
+        CompletionRequest(model="m", prompt="hi", return_token_ids=True, stream=True).to_generation(64)
+    res = {"text": "x", "finish_reason": "stop", "output_ids": [7, 2], "prompt_ids": [1, 5]}
+    chat = completion_body("id", "m", True, res)
+    assert chat["prompt_token_ids"] == chat["choices"][0]["prompt_token_ids"] == [1, 5]
+    assert chat["choices"][0]["token_ids"] == [7, 2]
+    plain = completion_body("id", "m", False, res)
+    assert plain["choices"][0]["token_ids"] == [7, 2] and "prompt_token_ids" not in plain
+    assert "token_ids" not in completion_body("id", "m", False, {"text": "x", "finish_reason": "stop"})["choices"][0]
