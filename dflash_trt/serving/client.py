@@ -63,6 +63,7 @@ def input_arrays(
     exclude_input_in_output: bool = True,
     return_perf_metrics: bool = False,
     apply_chat_template: bool | None = None,
+    return_token_ids: bool = False,
     repetition_penalty: float | None = None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
@@ -91,6 +92,8 @@ def input_arrays(
         vals["end_id"] = np.array([[end_id]], np.int32)
     if apply_chat_template is not None:
         vals["apply_chat_template"] = np.array([[apply_chat_template]], np.bool_)
+    if return_token_ids:  # dflash_bls / dflash_unary: the final response carries output_ids
+        vals["return_token_ids"] = np.array([[True]], np.bool_)
     given = dict(
         repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty,
@@ -147,6 +150,9 @@ def parse_result(result, row: int = 0) -> dict:
         out[k] = None if v is None else (float(v) if k.startswith("acceptance") else int(v))
     perf = one("perf_metrics")
     out["perf_metrics"] = json.loads(perf) if perf else None
+    ids = result.as_numpy("output_ids")  # only when the request asked (return_token_ids)
+    if ids is not None:
+        out["output_ids"] = [int(t) for t in ids.reshape(ids.shape[0], -1)[row]]
     return out
 
 

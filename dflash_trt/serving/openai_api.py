@@ -255,7 +255,11 @@ def create_app(
             raise
         if first is None or not gen.stream:
             call.close()
-            return JSONResponse({}, status_code=499) if first is None else completion_body(rid, model_name, chat, first)
+            if first is None:
+                return JSONResponse({}, status_code=499)
+            if gen.inputs.get("return_token_ids"):  # the ids the front door encoded the prompt to (same codec)
+                first["prompt_ids"] = await asyncio.to_thread(codec.encode, gen.prompt, False)
+            return completion_body(rid, model_name, chat, first)
         return StreamingResponse(
             events(call, first, gen, rid, now, chat),
             media_type="text/event-stream",

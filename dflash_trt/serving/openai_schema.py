@@ -6,7 +6,8 @@ accept what the OpenAI API (and vLLM's extensions `top_k`, `ignore_eos`, `repeti
 `to_generation()` turns one into the text front door's inputs (serving/client.py build_inputs)
 and refuses, as ApiError naming the field, what this server cannot do (n > 1, logprobs,
 logit_bias, tools, token-id prompts). Responses are plain dicts in the OpenAI shape plus a
-`dflash` object with the request's acceptance statistics.
+`dflash` object with the request's acceptance statistics; with `return_token_ids` (vLLM and SGLang's
+extension) the choice also carries `prompt_token_ids` and `token_ids` (not streamed).
 
 Defaults are OpenAI's, not the Triton models': temperature 1.0 (send 0 for greedy, which is
 exact), max_tokens 16 for completions, and for chat the rest of the context (max_seq_len).
@@ -83,6 +84,8 @@ class _Request(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # vLLM / SGLang extension: the response's choice also carries prompt_token_ids and token_ids
+    return_token_ids: bool | None = None
 
     def _usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -93,6 +96,8 @@ class _Request(BaseModel):
             raise bad("n", f"n={self.n}: this server returns one choice per request; send n=1 (or leave it out)")
         if self.stream_options is not None and not self.stream:
             raise bad("stream_options", "only allowed with stream=true")
+        if self.return_token_ids and self.stream:
+            raise bad("return_token_ids", "only with stream=false")
         if self.logit_bias:
             raise bad("logit_bias", "not supported; leave it out")
         if max_tokens is not None and max_tokens < 1:
@@ -125,6 +130,7 @@ class _Request(BaseModel):
             "seed": self.seed,
             "stop_words": [s for s in stops if s] or None,
             "end_id": -1 if self.ignore_eos else None,
+            **({"return_token_ids": True} if self.return_token_ids else {}),
         }
 
 
@@ -274,6 +280,10 @@ def completion_body(rid: str, model: str, chat: bool, res: dict) -> dict:
     else:
         choice = {"index": 0, "text": res["text"], "logprobs": None, "finish_reason": finish}
         body = _envelope(rid, model, "text_completion", [choice])
+    if "output_ids" in res:  # return_token_ids; vLLM puts a chat's prompt ids at the top, SGLang in the choice
+        choice.update(prompt_token_ids=res["prompt_ids"], token_ids=res["output_ids"])
+        if chat:
+            body["prompt_token_ids"] = res["prompt_ids"]
     return {**body, "usage": usage(res), "dflash": dflash_stats(res)}
 
 

@@ -192,6 +192,9 @@ class TextRequest:
     exclude_input_in_output: bool = True
     apply_chat_template: bool | None = None  # None: the model's default
     bad_words: list[str] = field(default_factory=list)  # text; the front door makes them token ids
+    # dflash_bls / dflash_unary only: the final response also carries the generated ids (`output_ids`),
+    # for clients that need the exact tokens (the OpenAI API's return_token_ids, `data generate --server`)
+    return_token_ids: bool = False
 
 
 def parse_prompt(get: Getter) -> tuple[str, list[str], bool | None]:
@@ -208,7 +211,15 @@ def parse_prompt(get: Getter) -> tuple[str, list[str], bool | None]:
 def parse_text_request(get: Getter) -> TextRequest:
     text, stop_words, chat = parse_prompt(get)
     s = parse_sampling(get)
-    return TextRequest(text, s, stop_words, _bool(get, "exclude_input_in_output", True), chat, parse_bad_words(get))
+    return TextRequest(
+        text,
+        s,
+        stop_words,
+        _bool(get, "exclude_input_in_output", True),
+        chat,
+        parse_bad_words(get),
+        _bool(get, "return_token_ids", False),
+    )
 
 
 @dataclass
@@ -324,5 +335,9 @@ def progress_from(get: Getter) -> Progress:
     )
 
 
-def text_outputs(text: str, p: Progress) -> dict[str, np.ndarray]:
-    return {"text_output": np.array([[text.encode("utf-8")]], dtype=object), **_summary_outputs(p)}  # TEXT_OUTPUTS
+def text_outputs(text: str, p: Progress, token_ids: bool = False) -> dict[str, np.ndarray]:
+    """TEXT_OUTPUTS; token_ids: plus `output_ids`, the generated ids so far (a final response's only)."""
+    out = {"text_output": np.array([[text.encode("utf-8")]], dtype=object), **_summary_outputs(p)}
+    if token_ids:
+        out["output_ids"] = np.array([p.output_ids], dtype=np.int32).reshape(1, -1)
+    return out

@@ -250,6 +250,8 @@ class BLSModel:
                     f"stream: {self.name} is not decoupled and answers once; stream with dflash_bls "
                     f"(gRPC streaming API), or send stream false"
                 )
+            if any(r.return_token_ids for r in rows) and (stream or len(rows) > 1):
+                raise RequestError("return_token_ids: only for a request of one row with stream false")
             if stream and len(rows) > 1:
                 raise RequestError(
                     f"stream: a streamed request holds one row, got a batch of {len(rows)}; send the rows as "
@@ -348,7 +350,7 @@ class BLSModel:
                 else:
                     text += chunk
                     if final:
-                        answer.chunk(row, text_outputs(text, p), True)
+                        answer.chunk(row, text_outputs(text, p, req.return_token_ids), True)
             if not ended:  # the engine's stream ended with no final response (its error does not reach BLS)
                 answer.error(f"{tag}{engine_ended_early_message()}")
         except Exception as e:  # never leave a request without its final response

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.api import load_target, load_tokenizer
+from dflash_trt.api import load_target, load_tokenizer, resolve_target_dir
 from dflash_trt.cli_shared import (
     draft_length_option,
     dtype_device_options,
@@ -27,6 +27,8 @@ from dflash_trt.train.corpus import agreement, load_texts, score_corpus
 from dflash_trt.train.data import generate_data, is_validation, mark_validation, read_sequences
 from dflash_trt.train.evaluate import evaluate, print_eval
 from dflash_trt.train.prompts import HELD_OUT, load_prompts
+from dflash_trt.train.remote import Regenerator, ServerConfig, generate_remote
+from dflash_trt.train.split_training import train_split
 from dflash_trt.train.trainer import TrainConfig, train
 
 
@@ -78,7 +80,12 @@ def _check_data_destination(source: str, out: str, validation: bool) -> None:
 
 
 @data.command("generate")
-@_target_option
+@click.option(
+    "--target",
+    default=None,
+    help="Target model name or folder (required without --server; with it, only its tokenizer is read, "
+    "for --retokenize).",
+)
 @click.option(
     "--prompts",
     "source",
@@ -97,15 +104,70 @@ def _check_data_destination(source: str, out: str, validation: bool) -> None:
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
 @dtype_device_options(_DATA_DTYPE_HELP)
+@click.option(
+    "--server",
+    default=None,
+    help="An OpenAI-compatible server of the target (vLLM, SGLang, trtllm-serve, dflash-trt serve "
+    "--openai-port), e.g. http://127.0.0.1:8000/v1: it answers instead of an in-process target. It must "
+    "return token ids (return_token_ids); --chat sends chat messages, so its own chat template applies.",
+)
+@click.option("--server-model", default=None, help="The served model name (default: the one /v1/models lists).")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="--server: requests in flight.")
+@click.option("--retries", type=int, default=5, show_default=True, help="--server: retries of a failed request.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="--server: seconds per request.")
+@click.option(
+    "--retokenize",
+    is_flag=True,
+    default=False,
+    help="--server without token ids: re-encode its text with --target's tokenizer (approximate ids).",
+)
 @friendly_errors
-def data_generate(target, source, out, limit, max_new_tokens, batch_size, chat, dtype, device, validation):
+def data_generate(
+    target,
+    source,
+    out,
+    limit,
+    max_new_tokens,
+    batch_size,
+    chat,
+    dtype,
+    device,
+    validation,
+    server,
+    server_model,
+    concurrency,
+    retries,
+    timeout,
+    retokenize,
+):
+    """The target answers every prompt (in-process, or through --server); resumable: run the same
+    command again after an interruption and finished shards are kept."""
     _check_data_destination(source, out, validation)
+    if not server and not target:
+        raise DFlashError("--target: required (or --server URL to regenerate through a serving engine)")
     prompts = load_prompts(source, limit)
-    tgt, path = load_target(target, dtype, for_training=True, device=device)
+    if server:
+        cfg = ServerConfig(
+            server,
+            server_model,
+            chat,
+            max_new_tokens,
+            concurrency=concurrency,
+            retries=retries,
+            timeout=timeout,
+            retokenize=retokenize,
+        )
+        tok = load_tokenizer(resolve_target_dir(target)) if target else None
+        regen = Regenerator(cfg, tok)  # checks the server and the model name before any shard
+    else:
+        tgt, path = load_target(target, dtype, for_training=True, device=device)
     if validation:  # marked before any shard exists, so an interrupted run is never mistaken for training data
         Path(out).mkdir(parents=True, exist_ok=True)
         mark_validation(out, source)
-    click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
+    if server:
+        click.echo(generate_remote(regen, prompts, out))
+    else:
+        click.echo(generate_data(tgt, load_tokenizer(path), prompts, out, max_new_tokens, batch_size, chat))
 
 
 @data.command("score")
@@ -138,9 +200,16 @@ def data_score(target, source, out, seq_len, limit, batch_size, dtype, device):
 
 @click.command("train")
 @click.option("--config", "config_path", default=None, help="YAML file mirroring TrainConfig.")
+@click.option(
+    "--split-target",
+    is_flag=True,
+    default=False,
+    help="Under torchrun: the target's layers split into one pipeline stage per rank (targets larger than "
+    "one device); the ranks still train the drafter data-parallel.",
+)
 @_options_from_dataclass(TrainConfig)
 @friendly_errors
-def train_cmd(config_path, **overrides):
+def train_cmd(config_path, split_target, **overrides):
     """Train a drafter of any family (resumes from OUT/checkpoint); writes OUT/drafter. Under torchrun
     (`torchrun --nproc_per_node N -m dflash_trt.cli train ...`) the ranks split every batch."""
     if overrides.get("target_layer_ids"):
@@ -155,7 +224,7 @@ def train_cmd(config_path, **overrides):
     else:
         cfg = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
     try:
-        final = train(cfg)
+        final = train_split(cfg) if split_target else train(cfg)
         if distributed.rank() == 0:  # torchrun: one line, not one per rank
             click.echo(final)
     finally:

@@ -10,6 +10,7 @@ learns the distribution it will be verified against. Shards are written atomical
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tqdm import tqdm
@@ -96,8 +97,7 @@ def fill_shards(out: Path, items: list, shard_size: int, batch_size: int, produc
     at the end since) is extended with the new items only. The bar advances by weight(item)."""
     for i in range((len(items) + shard_size - 1) // shard_size):
         part = items[i * shard_size : (i + 1) * shard_size]
-        shard = out / f"data-{i:05d}.jsonl"
-        lines = [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
+        lines = shard_lines(out, i)
         bar.update(sum(map(weight, part[: len(lines)])))
         if len(lines) >= len(part):
             continue
@@ -105,13 +105,24 @@ def fill_shards(out: Path, items: list, shard_size: int, batch_size: int, produc
             batch = part[start : start + batch_size]
             lines += produce(batch)
             bar.update(sum(map(weight, batch)))
-        _write_shard(out, i, lines)
+        write_shard(out, i, lines)
 
 
-def _write_shard(out: Path, index: int, lines: list[str]) -> None:
+def shard_lines(out: Path, index: int) -> list[str]:
+    """The lines of shard `index` written so far (none when it does not exist)."""
+    shard = out / f"data-{index:05d}.jsonl"
+    return [ln for ln in shard.read_text().splitlines() if ln.strip()] if shard.is_file() else []
+
+
+def write_shard(out: Path, index: int, lines: list[str]) -> None:
+    """out/data-NNNNN.jsonl, whole or not at all: written beside it, then renamed over it (readers
+    glob data-*.jsonl, so a killed writer's .tmp is never read, and the next run overwrites it)."""
     path = out / f"data-{index:05d}.jsonl"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # the rename must not land before the data on a crash
     tmp.replace(path)
 
 

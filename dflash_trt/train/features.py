@@ -17,15 +17,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from dflash_trt.train.distill import feature_layers
+from dflash_trt.train.distributed import share
 from dflash_trt.train.precondition import tap_scale
+from dflash_trt.train.split_target import StageTarget
 
 
 @torch.no_grad()
 def target_taps(target, seqs: list[list[int]], tap_layers: list[int]) -> torch.Tensor:
-    """Tapped hidden states [N, S, taps*d] of right-padded sequences (padding is causal-invisible)."""
+    """Tapped hidden states [N, S, taps*d] of right-padded sequences (padding is causal-invisible).
+    A split target (train/split_target.py) makes this collective: every rank calls it with its own
+    sequences, in step."""
+    if isinstance(target, StageTarget):
+        return target.taps(seqs, tap_layers)
     S = max(map(len, seqs))
     ids = torch.zeros(len(seqs), S, dtype=torch.long)
     for r, s in enumerate(seqs):
@@ -110,15 +117,51 @@ class FeatureStore:
     def build(target, seqs: list[list[int]], tap_layers: list[int], folder: Path, batch_size: int) -> None:
         """Compute (or reuse) the features of `seqs`. A data folder that only grew at the end (more
         prompts, `data generate` extending it) keeps the features of the sequences it had and computes
-        the new ones; anything else is recomputed from scratch."""
-        marker = folder / "complete"
-        fp = FeatureStore.fingerprint(seqs, _feature_salt(tap_layers))
+        the new ones; anything else is recomputed from scratch. With a split target every rank calls
+        this (collective): rank 0 decides and prepares the file, each rank computes its share of
+        every batch through the pipeline and writes its own rows."""
+        if FeatureStore.holds(folder, seqs, tap_layers):  # every rank reads the same marker: no collective
+            return
+        split = isinstance(target, StageTarget)
         width = len(tap_layers) * target.config.hidden_size
+        fp = FeatureStore.fingerprint(seqs, _feature_salt(tap_layers))
+        start = FeatureStore._prepare(folder, seqs, tap_layers, width, fp) if not split or target.rank == 0 else None
+        if split:
+            box = [start]
+            dist.broadcast_object_list(box, 0)
+            start = box[0]
+        if start is None:
+            return
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+        total = int(offsets[-1])
+        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r+", shape=(total, width))
+        for i in tqdm(range(start, len(seqs), batch_size), desc="precomputing target features"):
+            chunk = seqs[i : i + batch_size]
+            part = share(chunk, target.rank, target.world) if split else slice(0, len(chunk))
+            taps = target_taps(target, chunk[part], tap_layers)
+            off = int(offsets[i + part.start])
+            for r, s in enumerate(chunk[part]):
+                mm[off : off + len(s)] = (
+                    taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+                )
+                off += len(s)
+        mm.flush()
+        del mm
+        if split:
+            dist.barrier()  # every rank's rows are written before the marker says complete
+        if not split or target.rank == 0:
+            (folder / "complete").write_text(json.dumps({"rows": total, "num_seqs": len(seqs), "fingerprint": fp}))
+
+    @staticmethod
+    def _prepare(folder: Path, seqs: list[list[int]], tap_layers: list[int], width: int, fp: str) -> int | None:
+        """The index of the first sequence to compute (None: the store is complete), with
+        features.bin sized for all of them."""
+        marker = folder / "complete"
         start = 0
         if marker.is_file():
             prev = FeatureStore._marker(folder)
             if prev.get("fingerprint") == fp:
-                return
+                return None
             n = prev.get("num_seqs")
             size_ok = (folder / "features.bin").is_file() and (folder / "features.bin").stat().st_size == prev.get(
                 "rows", -1
@@ -136,18 +179,11 @@ class FeatureStore:
             marker.unlink()  # an interrupted update recomputes everything next time
         folder.mkdir(parents=True, exist_ok=True)
         total = sum(map(len, seqs))
-        off = sum(map(len, seqs[:start]))
         if start:
             os.truncate(folder / "features.bin", total * width * 2)
-        mm = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r+" if start else "w+", shape=(total, width))
-        for i in tqdm(range(start, len(seqs), batch_size), desc="precomputing target features"):
-            chunk = seqs[i : i + batch_size]
-            taps = target_taps(target, chunk, tap_layers)
-            for r, s in enumerate(chunk):
-                mm[off : off + len(s)] = taps[r, : len(s)].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-                off += len(s)
-        mm.flush()
-        marker.write_text(json.dumps({"rows": total, "num_seqs": len(seqs), "fingerprint": fp}))
+        else:
+            np.memmap(folder / "features.bin", dtype=np.uint16, mode="w+", shape=(total, width)).flush()
+        return start
 
     def get(self, idx: list[int], S: int) -> torch.Tensor:
         out = torch.zeros(len(idx), S, self.width, dtype=torch.bfloat16)
