@@ -15,6 +15,7 @@ from dflash_trt.modeling.target import TargetModel
 from dflash_trt.serving.engine_factory import load_engine_factory
 from dflash_trt.serving.orchestrator import Orchestrator
 from dflash_trt.serving.protocol import (
+    DIRECT_TEXT_INPUTS,
     TEXT_INPUTS,
     RequestError,
     Sampling,
@@ -289,8 +290,9 @@ def test_fill_model_repo(tmp_path):
 
 
 def test_text_front_door_configs_list_exactly_text_inputs(tmp_path):
-    """protocol.TEXT_INPUTS is what every text front door's hand-kept config.pbtxt declares (name, type,
-    optional), and what the preprocessing step takes is a part of it with the same types."""
+    """protocol.TEXT_INPUTS is what the ensemble's hand-kept config.pbtxt declares (name, type, optional),
+    DIRECT_TEXT_INPUTS what the BLS front doors declare, and what the preprocessing step takes is a part
+    of it with the same types."""
     text_format = pytest.importorskip("google.protobuf.text_format")
     pb = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] not installed")
 
@@ -301,8 +303,9 @@ def test_text_front_door_configs_list_exactly_text_inputs(tmp_path):
         return {i.name: (pb.DataType.Name(i.data_type), not i.optional) for i in cfg.input}
 
     declared = {m: inputs(m) for m in ("ensemble", "dflash_bls", "dflash_unary", "preprocessing")}
-    for model in ("ensemble", "dflash_bls", "dflash_unary"):
-        assert declared[model] == TEXT_INPUTS, model
+    assert declared["ensemble"] == TEXT_INPUTS
+    for model in ("dflash_bls", "dflash_unary"):
+        assert declared[model] == DIRECT_TEXT_INPUTS, model
     pre = declared["preprocessing"]
     assert set(pre) < set(TEXT_INPUTS) and {k: TEXT_INPUTS[k][0] for k in pre} == {k: t for k, (t, _) in pre.items()}
 

@@ -46,6 +46,9 @@ TEXT_INPUTS = {
     "apply_chat_template": ("TYPE_BOOL", False),
     **{k: (t, False) for k, t in TRTLLM_INPUTS.items()},  # tensorrtllm_backend's extra inputs
 }
+# what the BLS front doors (`dflash_bls`, `dflash_unary`) take beyond TEXT_INPUTS: the final response's
+# output_ids, which a Triton ensemble cannot route (its outputs are fixed by the ensemble's steps)
+DIRECT_TEXT_INPUTS = {**TEXT_INPUTS, "return_token_ids": ("TYPE_BOOL", False)}
 # the acceptance statistics every text front door returns (acceptance_* FP32, the counts integers)
 STAT_OUTPUTS = (
     "acceptance_rate",
