@@ -22,8 +22,7 @@ from dflash_trt.cli_shared import (
 )
 from dflash_trt.config import SamplingParams, field_help
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS, length_source
-from dflash_trt.decoding.engine import PROPOSERS
-from dflash_trt.decoding.proposal import AUTO
+from dflash_trt.decoding.proposers import AUTO, PROPOSERS
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
 from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart

@@ -20,7 +20,7 @@ from dflash_trt.cli_shared import (
     proposer_option,
 )
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
-from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.proposers import PROPOSERS
 
 
 def _names(value: str) -> list[str]:

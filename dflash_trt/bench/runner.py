@@ -37,7 +37,7 @@ from dflash_trt.bench.schedule import fit_prompt, run_schedule
 from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
-from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.decoding.stopping import target_stop_ids
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.cpu_pack import pack_hf_model

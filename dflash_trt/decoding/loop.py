@@ -17,6 +17,7 @@ import torch
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding import penalties
 from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.session import Session
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule, target_stop_ids
 from dflash_trt.decoding.verify import sample_tokens, warp_logits
@@ -54,6 +55,7 @@ def generate(
     draft_cutoff: float = 0.0,
     draft_length: str = "block",
     proposer: str = "dflash",
+    session: Session | None = None,
     _capture=None,
 ) -> GenerationResult:
     """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L]).
@@ -76,6 +78,7 @@ def generate(
         draft_cutoff=draft_cutoff,
         draft_length=draft_length,
         proposer=proposer,
+        session=session,
         _capture=_capture,
     )
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
-from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.deploy.quantize import check_kv_cache, check_quant_target
 from dflash_trt.errors import ConfigError
 

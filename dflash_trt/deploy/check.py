@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash_trt.api import load_tokenizer, resolve_target_dir
 from dflash_trt.config import DrafterConfig
-from dflash_trt.decoding.proposal import plan
+from dflash_trt.decoding.proposers import plan
 from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.emit import check_emit
 from dflash_trt.deploy.quantize import quantizable_modules

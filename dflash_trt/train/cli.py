@@ -20,7 +20,7 @@ from dflash_trt.cli_shared import (
 )
 from dflash_trt.config import field_help, load_yaml_dataclass
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
-from dflash_trt.decoding.proposal import PROPOSERS
+from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.train import distributed
 from dflash_trt.train.corpus import agreement, load_texts, score_corpus
