@@ -14,13 +14,13 @@ import torch
 
 from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
-from dflash_trt.decoding.stopping import model_stop_ids
 from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.hub.models import resolve_model
 from dflash_trt.modeling.cpu_pack import pack_drafter, pack_target, pack_unavailable_reason
 from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.stop_ids import model_stop_ids
 from dflash_trt.modeling.target import TargetModel
 
 DTYPES = {

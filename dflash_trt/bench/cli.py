@@ -42,7 +42,8 @@ def _names(value: str) -> list[str]:
     multiple=True,
     default=("humaneval",),
     show_default=True,
-    help="humaneval | writingbench | varied (24 built-in prompts, no download) | a jsonl file of "
+    help="humaneval | writingbench | varied (24 built-in prompts, no download) | heldout (20 built-in: code "
+    "edits, math, chat, summaries) | a jsonl file of "
     '{"prompt": ...} lines (repeatable).',
 )
 @click.option("-n", "--num-prompts", default=8, show_default=True, type=int, help="Prompts per dataset.")

@@ -32,11 +32,10 @@ from dflash_trt.decoding.records import NgramRecord
 from dflash_trt.decoding.session import Session
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule, target_stop_ids
-from dflash_trt.decoding.verify import Verdict, accept_rows, sample_tokens, warp_logits
+from dflash_trt.decoding.verify import Verdict, accept_ops, accept_rows, sample_tokens, warp_logits
 from dflash_trt.decoding.verify_cost import VerifyCost
 from dflash_trt.errors import DFlashError
 from dflash_trt.families import dflash
-from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import propose_graphs
 
 
@@ -99,7 +98,7 @@ class SpecEngine:
         Session to engines that should share it (default: a fresh one, this engine's own).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
         self.target, self.drafter = target, drafter
-        self.accept_ops = fast_path.accept_ops(kernels, target.device)
+        self.accept_ops = accept_ops(kernels, target.device)
         # the drafter object is shared, so every engine sets its switch; drafters without one
         # (test doubles) have no kernels to run
         self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"

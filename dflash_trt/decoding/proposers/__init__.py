@@ -5,6 +5,7 @@ dflash   the drafter's block every round (the paper's loop)
 ngram    the continuation copied from the row's own text; the drafter never runs
 hybrid   per row and round the copy or the drafter's block, or a plain step where neither pays
 tree     the copy and the drafter's block verified together in one tree-masked target pass
+none     no drafts: plain decode steps through the same engine (a served baseline)
 
 Boundary: naming, resolving ("auto") and checking a proposer against a drafter family and draft length
 (`plan`, one-line refusals at engine start); the engine (decoding/engine.py) never compares names. Adding a
@@ -26,6 +27,7 @@ REGISTRY = {
     "ngram": "dflash_trt.decoding.proposers.ngram",
     "hybrid": "dflash_trt.decoding.proposers.hybrid",
     "tree": "dflash_trt.decoding.proposers.tree",
+    "none": "dflash_trt.decoding.proposers.none",
 }
 PROPOSERS = tuple(REGISTRY)
 # "auto": hybrid where the drafter family gives per-draft probabilities to weigh against copies (DFlash,
