@@ -119,6 +119,17 @@ class SamplingParams:
         return self.temperature < self.GREEDY_TEMPERATURE
 
 
+def check_block_size(value: int, name: str = "block_size") -> int:
+    """The one rule for a block size: a block holds the last verified token and at least one draft, so
+    >= 2 (ConfigError naming `name`, the field or flag it came from)."""
+    if int(value) < 2:
+        sep = " " if name.startswith("--") else "="
+        raise ConfigError(
+            f"{name}{sep}{value}: must be >= 2 (a block is the last verified token plus at least one draft)"
+        )
+    return int(value)
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
     """Tap layers spread evenly: round(1 + i*(L-4)/(n-1)) as in the DFlash paper, clamped for tiny L."""
     L = num_target_layers
@@ -172,8 +183,7 @@ class DrafterConfig:
         for name in drafter_fields.SIZES:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.block_size < 2:
-            raise ConfigError(f"block_size={self.block_size}: must be >= 2 (a block is the last token plus >= 1 draft)")
+        check_block_size(self.block_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

@@ -6,9 +6,11 @@ only, and draft_length=cost rounds while drafting has not been paying).
 
 Why a queue: injecting is a drafter pass over the new positions (fc + norm + every layer's K/V
 projections). On a round without the drafter nothing reads those K/V until it runs again, and one
-pass over the accumulated positions costs less than one pass per round: on this CPU the per-round
-injection was most of what the hybrid proposer spent over proposer=ngram on text the drafter cannot
-draft (1.3 against 0.1 ms per round, SmolLM2, WritingBench). A position's K/V depend only on its own
+pass over the accumulated positions costs less than one pass per round (on a CPU the per-round
+injection was most of what the hybrid spent over proposer=ngram on text the drafter cannot draft:
+docs/performance.md#copied-drafts-n-gram-and-hybrid-proposers). While the drafter is not run, it costs
+nothing but the queue's memory (the lazy upkeep: the queue doubles in place, and is injected only when
+the drafter runs again or the queue reaches MAX_BYTES). A position's K/V depend only on its own
 features and position, so injecting later writes the same cache.
 """
 

@@ -2,7 +2,12 @@
 
 Boundary: owns per-request state (sampling params, RNG, outputs, statistics) and the batch's
 caches; requests join (`add_request`) and leave (finish / `cancel`) between steps, so it serves
-both `generate()` and the Triton orchestrator's continuous batching. Model math lives in
+both `generate()` and the Triton orchestrator's continuous batching. What a round verifies is the
+proposer's choice (decoding/proposers/: one module each, chosen once from a registry; the engine
+never compares their names), which reads the batch through `draft()` / `copy_round()` and learns
+from the verdicts (`observe`); the engine verifies (a chain, or a proposer's token tree:
+decoding/tree.py), accepts, rewinds and keeps the caches. How to decode is one EngineOptions
+(decoding/options.py), what engines learn a Session (decoding/session.py). Model math lives in
 modeling/, how a drafter family turns its block into drafts and q in families/ (propose),
 acceptance math in decoding/verify.py; the statistics type, the stop/length rule and
 the prompt check it applies are decoding/stats.py, stopping.py and prompt.py.
@@ -25,6 +30,7 @@ from dflash_trt.config import SamplingParams
 from dflash_trt.decoding import context_queue, penalties, proposal, tree
 from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
 from dflash_trt.decoding.ngram import NgramProposal, SuffixIndex
+from dflash_trt.decoding.options import EngineOptions
 from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.decoding.proposal import Proposal
 from dflash_trt.decoding.proposers import plan as plan_proposer
@@ -70,33 +76,22 @@ class SpecEngine:
         drafter,
         max_batch: int = 16,
         max_seq_len: int | None = None,
-        kernels: str = "auto",
-        cuda_graph: str = "auto",
-        draft_cutoff: float = 0.0,
-        draft_length: str = "block",
-        proposer: str = "dflash",
+        options: EngineOptions | None = None,
         verify_cost: VerifyCost | None = None,
         session: Session | None = None,
         _capture=None,
+        **fields,
     ):
-        """kernels: "auto" | "triton" | "torch" (see modeling/fast_path.py): the drafter's context
-        injection and block attention and the acceptance step on the Triton kernels or PyTorch.
-        cuda_graph: "auto" | "on" | "off": replay the drafter's propose step from a CUDA graph
-        (modeling/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
-        draft_cutoff: verify only the leading drafts whose cumulative drafter confidence is at least
-        this (decoding/draft_length.py); 0 verifies the whole block every step.
-        draft_length: "block" (the drafter's own probabilities, when draft_cutoff > 0) or "confidence"
-        (the drafter's learned acceptance head, DSpark's: the cutoff applies to its predictions).
-        proposer: "dflash" (the drafter's block), "ngram" (the continuation copied from the row's own
-        text, decoding/ngram.py; the drafter is not run) or "hybrid" (per row and round, the copy when
-        it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py) or "tree"
-        (both verified in one pass as a token tree, the longer accepted branch kept; decoding/tree.py), or
-        "auto" (hybrid where the drafter family gives per-draft probabilities, else dflash: proposal.resolve).
+        """options: how to decode (decoding/options.py EngineOptions: proposer, draft length and cutoff,
+        kernels, CUDA graph); `fields` replace single options (SpecEngine(t, d, proposer="ngram")).
         verify_cost: the verify cost curve for draft_length="cost" and the hybrid's pay gate (default: the
         session's, measured on first use, decoding/verify_cost.py).
         session: what engines learn about the drafter and the machine (decoding/session.py); pass the same
         Session to engines that should share it (default: a fresh one, this engine's own).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
+        opts = self.options = EngineOptions.of(options, **fields)
+        kernels, cuda_graph, draft_cutoff = opts.kernels, opts.cuda_graph, opts.draft_cutoff
+        draft_length, proposer = opts.draft_length, opts.proposer
         self.target, self.drafter = target, drafter
         self.accept_ops = accept_ops(kernels, target.device)
         # the drafter object is shared, so every engine sets its switch; drafters without one
@@ -208,7 +203,7 @@ class SpecEngine:
 
     def _round(self) -> None:
         t0 = time.perf_counter()
-        prop = self._by_cost(self.proposer.propose(self))
+        prop = self.propose()
         t1 = time.perf_counter()
         self.draft_seconds = t1 - t0 if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * (t1 - t0)
         if prop.tree is None:
@@ -233,6 +228,11 @@ class SpecEngine:
             self._emit(req, drafts[r][:a] + [bonus[r]])
         self.proposer.observe(self, prop, verdict, t1 - t0)
         self._drop_finished()
+
+    def propose(self) -> Proposal:
+        """This round's Proposal: the proposer's (decoding/proposers/), cut to the most profitable verify
+        width with draft_length=cost."""
+        return self._by_cost(self.proposer.propose(self))
 
     def draft(self) -> Proposal:
         """The drafter's block for every row (proposers call this): its queued context injected, then its

@@ -195,8 +195,8 @@ class TorchAccept:
 
 class TritonAccept:
     """kernels.greedy_accept on the target's argmax / kernels.rejection_accept. The kernel can
-    take the argmax itself from the logits, but one program per row scanning B x V logits ran at
-    0.11-0.41x of torch.argmax on an H200 (README "GPU kernel check"), so the engine hands it ids."""
+    take the argmax itself from the logits, but one program per row scanning B x V logits is slower than
+    torch.argmax (docs/performance.md#gpu-kernel-check-nvidia-h200-2026-12-04), so the engine hands it ids."""
 
     name = "triton"
 

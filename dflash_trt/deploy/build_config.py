@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
+from dflash_trt.decoding.options import DEFAULT_PROPOSER
 from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.deploy.quantize import check_kv_cache, check_quant_target
 from dflash_trt.errors import ConfigError
@@ -71,7 +72,7 @@ class BuildConfig:
         0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
     )
     draft_length: str = "block"  # what draft_cutoff gates: block (drafter probabilities) | confidence (DSpark head)
-    proposer: str = "dflash"  # where the served drafts come from: dflash (drafter) | ngram (copied text) | hybrid
+    proposer: str = DEFAULT_PROPOSER  # where the served drafts come from: decoding/options.py EngineOptions.proposer
     max_queue: int = 256  # served requests waiting for a free batch row; the next ones get "overloaded, retry later"
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl

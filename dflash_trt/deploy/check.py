@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from dflash_trt.api import load_tokenizer, resolve_target_dir
-from dflash_trt.config import DrafterConfig
+from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.decoding.proposers import plan
 from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.emit import check_emit
@@ -140,8 +140,7 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
             f"drafter dflash_config.mask_token_id={dc.mask_token_id}: outside the target "
             f"vocabulary 0..{tc.vocab_size - 1}"
         )
-    if dc.block_size < 2:
-        raise ConfigError(f"drafter block_size={dc.block_size}: must be >= 2")
+    check_block_size(dc.block_size, "drafter block_size")
     try:  # the engine's own rules (decoding/proposal.py plan), here before anything is built or served
         plan(cfg.draft_length, cfg.draft_cutoff, cfg.proposer, dc.family.LABEL, dc.family.lengths(dc))
     except DFlashError as e:

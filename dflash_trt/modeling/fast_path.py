@@ -12,8 +12,8 @@ launchers. The plain-PyTorch code in modeling/drafter.py and decoding/verify.py 
                     Anything that cannot run raises DFlashError naming the reason.
   kernels="auto"    "triton" when kernels_available() and the model is on a CUDA device and the
                     drafter's shapes are supported; otherwise "torch" (never an error).
-  kernels="auto"    the default of generate(), SpecEngine and the CLI since scripts/gpu_check.sh
-                    passed on an H200 (2026-12-04; README "GPU kernel check"): unchanged on CPU.
+  kernels="auto"    the default of generate(), SpecEngine and the CLI since scripts/gpu_check.sh passed
+                    on a GPU (docs/performance.md#gpu-kernel-check-nvidia-h200-2026-12-04): unchanged on CPU.
 
 Layouts: kv_inject writes every layer in one launch, so the drafter cache of the Triton path is
 a StackedKVCache: one contiguous [L, R, H_kv, S_max, D] tensor per K and V whose per-layer
