@@ -120,13 +120,9 @@ class SamplingParams:
 
 
 def check_block_size(value: int, name: str = "block_size") -> int:
-    """The one rule for a block size: a block holds the last verified token and at least one draft, so
-    >= 2 (ConfigError naming `name`, the field or flag it came from)."""
+    """The one block-size rule, >= 2: the last verified token plus at least one draft (ConfigError naming `name`)."""
     if int(value) < 2:
-        sep = " " if name.startswith("--") else "="
-        raise ConfigError(
-            f"{name}{sep}{value}: must be >= 2 (a block is the last verified token plus at least one draft)"
-        )
+        raise ConfigError(f"{name}{' ' if name.startswith('--') else '='}{value}: must be >= 2 (last token + a draft)")
     return int(value)
 
 
