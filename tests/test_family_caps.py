@@ -158,3 +158,28 @@ def test_a_family_without_capabilities_is_refused_by_build_and_emit(target_dir, 
     assert r.exit_code == 2 and len(lines) == 1, r.output
     assert "'Dummy' declares no deploy capabilities" in lines[0]
     assert not (tmp_path / "out").exists()  # nothing built
+
+
+# ---- exclude_modules of a quantized drafter (issue #39 item 4) ----------------------------------------------
+@pytest.mark.parametrize("family", ["dflash2", "dspark", "domino"])
+def test_every_unquantized_matrix_of_a_quantized_drafter_is_excluded(target_dir, tmp_path, family):
+    """vLLM builds every linear it has a quant_config for as quantized unless exclude_modules names it
+    (layers/quantization/modelopt.py:191-221 is_layer_excluded): DSpark's markov_w2 (qwen3_dspark.py:72-78)
+    and DFlash 2's kernel_projection (qwen3_dflash2.py:194-201) would otherwise load bf16 weights into fp8."""
+    target = TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    DFlashDrafter(config_of(target.config, family)).save_pretrained(tmp_path / "drafter")
+    over = {"drafter_quant": "fp8", "calib_prompts": 1, "calib_seq_len": 16}
+    r = build(tmp_path, target_dir, tmp_path / "drafter", "quantize", **over)
+    assert r.exit_code == 0, r.output
+    from dflash_trt.deploy.hf_checkpoint import load_quantized_checkpoint
+
+    qstate, hq, _ = load_quantized_checkpoint(tmp_path / "out" / "quantized" / "drafter")
+    excluded = set(hq["quantization"]["exclude_modules"])
+    quantized = {k.rsplit(".", 1)[0] for k in qstate if k.endswith(".weight_scale")}
+    assert quantized and not quantized & excluded
+    for k, v in qstate.items():
+        module = k.rsplit(".", 1)[0]
+        if v.dim() >= 2 and module not in quantized:
+            assert module in excluded, k
+    heads = {"dspark": "markov_head.markov_w2", "dflash2": "layers.0.attention_conv", "domino": "prefix_gru"}
+    assert heads[family] in excluded and "kept bf16: " in r.output
