@@ -33,6 +33,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from safetensors import safe_open
 
 from dflash_trt.errors import ConfigError
 
-SHARD_SIZE = "1GB"  # export shard buffer: bounds the export's memory next to one layer
+SHARD_SIZE = 2**30  # export shard buffer (bytes): bounds the export's memory next to one layer
 FORMATS = ("fp8", "nvfp4")
 # calibration forwards per device: the prompts of one forward ([1, T] each: no padding, no attention mask)
 
@@ -98,6 +99,24 @@ def load_offloaded(src: Path, offload_dir: Path):
     )
 
 
+@contextmanager
+def _no_offload_writeback():
+    """modelopt 0.47's streaming export materializes each offloaded layer, exports it in place, streams it to
+    a shard and then 'writes back' the exported tensors -- for a disk-offloaded layer into accelerate's CPU
+    state dict (plugins/accelerate.py _writeback_params_to_weights_map: "writing updates back to disk offload
+    files is TODO"), which would keep every exported layer in host memory. A layer is not read again once
+    streamed, so the writeback is skipped while exporting (with it skipped, accelerate's CPU state dict is
+    empty after the export); tests/test_build_memory.py holds the memory bound."""
+    from modelopt.torch.quantization.plugins import accelerate as plugin  # deferred with _mtq
+
+    original = plugin._writeback_params_to_weights_map
+    plugin._writeback_params_to_weights_map = lambda module, hook: None
+    try:
+        yield
+    finally:
+        plugin._writeback_params_to_weights_map = original
+
+
 def quantize_target(
     src: Path,
     dst: Path,
@@ -106,6 +125,7 @@ def quantize_target(
     calib: list[list[int]],
     awq: bool = False,
     echo: Callable[[str], None] = print,
+    shard_size: int = SHARD_SIZE,
 ) -> dict:
     """Quantize the HF target in `src` into `dst` with modelopt (layerwise calibration on `calib`, token-id
     lists, one forward each), export it with export_hf_checkpoint; returns what the build log records."""
@@ -135,7 +155,8 @@ def quantize_target(
         times["calibrate_s"] = time.perf_counter() - t
         t = time.perf_counter()
         dst.mkdir(parents=True, exist_ok=True)
-        export_hf_checkpoint(model, export_dir=str(dst), max_shard_size=SHARD_SIZE)
+        with _no_offload_writeback():
+            export_hf_checkpoint(model, export_dir=str(dst), max_shard_size=shard_size)
         times["export_s"] = time.perf_counter() - t
     finally:
         shutil.rmtree(offload, ignore_errors=True)
