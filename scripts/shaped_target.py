@@ -5,7 +5,7 @@ and by tests/test_build_memory.py on a smaller shape. Each tensor is generated a
 (the safetensors header is computed from the shapes first), so writing a 16 GB checkpoint needs about one
 tensor of memory; a tokenizer folder's files are copied in, so the folder builds as it is.
 
-    python scripts/shaped_target.py OUT --shape qwen3-8b --tokenizer ~/.cache/dflash-trt/models/qwen2.5-coder-0.5b-instruct
+    python scripts/shaped_target.py OUT --shape qwen3-8b --tokenizer TOKENIZER_FOLDER
 """
 
 from __future__ import annotations
