@@ -12,15 +12,17 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt import config
 from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
-from dflash_trt.decoding.stopping import model_stop_ids
-from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target
+from dflash_trt.decoding.options import EngineOptions
+from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target, use_native_fp8
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.hub.models import resolve_model
 from dflash_trt.modeling.cpu_pack import pack_drafter, pack_target, pack_unavailable_reason
 from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.stop_ids import model_stop_ids
 from dflash_trt.modeling.target import TargetModel
 
 DTYPES = {
@@ -132,6 +134,7 @@ def load_target(
     path = resolve_target_dir(name_or_dir, progress)
     if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (simulation)
         target = load_quantized_target(path, torch_dtype).to(dev)
+        use_native_fp8(target, path)  # FP8 GEMMs on sm_89+ GPUs; elsewhere the dequantized weights stay
     else:
         target = TargetModel.from_pretrained(path, dtype=torch_dtype, device=dev)
     if packed:
@@ -159,7 +162,7 @@ def load_drafter(
     else:
         raise DFlashError(
             "no drafter given: pass --drafter DIR (a DFlash checkpoint folder). Get one with "
-            "`dflash-trt train` (see README, 'Train a drafter'), or add --random-drafter to check the "
+            "`dflash-trt train` (see docs/training.md#commands), or add --random-drafter to check the "
             "pipeline with an untrained drafter (output stays exact, speedup will be below 1)"
         )
     if block_size is not None:
@@ -170,8 +173,7 @@ def load_drafter(
 
 
 def check_block_size(block_size: int) -> None:
-    if block_size < 2:
-        raise ConfigError(f"--block-size {block_size}: must be >= 2 (the last token plus at least one draft)")
+    config.check_block_size(block_size, "--block-size")
 
 
 def set_block_size(drafter, block_size: int) -> None:
@@ -238,25 +240,11 @@ def run_generate(
     prompt_ids: list[int],
     params: SamplingParams,
     baseline: bool = False,
-    kernels: str = "auto",
-    cuda_graph: str = "auto",
-    draft_cutoff: float = 0.0,
-    draft_length: str = "block",
-    proposer: str = "dflash",
+    options: EngineOptions | None = None,
 ) -> Comparison:
-    """DFlash generation (and optionally the autoregressive baseline, measured right after).
-    proposer: "dflash" | "ngram" | "hybrid" | "tree", where the drafts come from (decoding/engine.py PROPOSERS)."""
-    out = generate(
-        target,
-        drafter,
-        [prompt_ids],
-        params,
-        kernels=kernels,
-        cuda_graph=cuda_graph,
-        draft_cutoff=draft_cutoff,
-        draft_length=draft_length,
-        proposer=proposer,
-    )
+    """DFlash generation (and optionally the autoregressive baseline, measured right after). options: how
+    to decode (decoding/options.py EngineOptions; default: its defaults)."""
+    out = generate(target, drafter, [prompt_ids], params, options=options)
     toks = out.tokens[0]
     cmp = Comparison(tokenizer.decode(toks, skip_special_tokens=True), toks, out.stats.to_dict())
     if baseline:

@@ -14,16 +14,12 @@ import click
 
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
 from dflash_trt.cli_shared import (
-    DRAFT_CUTOFF_HELP,
-    draft_length_option,
     dtype_device_options,
+    engine_options,
     friendly_errors,
-    proposer_option,
 )
 from dflash_trt.config import SamplingParams, field_help
-from dflash_trt.decoding.draft_length import DRAFT_LENGTHS, length_source
-from dflash_trt.decoding.engine import PROPOSERS
-from dflash_trt.decoding.proposal import AUTO
+from dflash_trt.decoding.options import EngineOptions
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
 from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
@@ -91,34 +87,7 @@ def models_list():
 @click.option("--seed", default=None, type=int)
 @dtype_device_options("auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32 | float16")
 @click.option("--baseline", is_flag=True, help="Also run plain autoregressive decoding and report the speedup.")
-@click.option(
-    "--kernels",
-    type=click.Choice(["auto", "triton", "torch"]),
-    default="auto",
-    show_default=True,
-    help="Drafter KV injection / block attention and acceptance: Triton GPU kernels, plain PyTorch, "
-    "or auto (Triton on CUDA when installed, else PyTorch).",
-)
-@click.option(
-    "--cuda-graph",
-    type=click.Choice(["auto", "on", "off"]),
-    default="auto",
-    show_default=True,
-    help="Replay the drafter step from a CUDA graph (needs the Triton kernels on a GPU; auto = when " "they run).",
-)
-@click.option(
-    "--draft-cutoff",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0, max_open=True),
-    help=DRAFT_CUTOFF_HELP,
-)
-@draft_length_option(DRAFT_LENGTHS)
-@proposer_option(
-    (AUTO, *PROPOSERS),
-    help_prefix="auto = hybrid where the drafter gives per-draft probabilities (DFlash, DSpark, Domino), else dflash "
-    "(DFlash 2). ",
-)
+@engine_options(EngineOptions.cli_flags())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @friendly_errors
 def generate(
@@ -148,7 +117,7 @@ def generate(
     as_json,
 ):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
-    length_source(draft_length, draft_cutoff, "--draft-length")  # before any model loads
+    options = EngineOptions(proposer, draft_length, draft_cutoff, kernels, cuda_graph)  # before any model loads
     params = SamplingParams(  # validated here, before any model loads; the stop ids come with the tokenizer
         temperature=temperature,
         top_p=top_p,
@@ -174,11 +143,7 @@ def generate(
         ids,
         params,
         baseline=baseline,
-        kernels=kernels,
-        cuda_graph=cuda_graph,
-        draft_cutoff=draft_cutoff,
-        draft_length=draft_length,
-        proposer=proposer,
+        options=options,
     )
     if as_json:
         click.echo(

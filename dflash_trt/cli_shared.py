@@ -18,25 +18,6 @@ import click
 from dflash_trt.errors import ConfigError, DFlashError
 
 DEVICE_HELP = "auto (the CUDA GPU where PyTorch sees one, else the CPU) | cpu | cuda | cuda:N"
-DRAFT_CUTOFF_HELP = (
-    "Verify only the leading drafts whose running product of drafter probabilities is at least "
-    "this (0: every draft). Output is unchanged; on a CPU, where verify cost grows with its "
-    "width, it skips drafts that would be rejected anyway."
-)
-DRAFT_LENGTH_HELP = (
-    "How many drafts to verify: block = the whole block, or with --draft-cutoff > 0 the leading drafts the "
-    "drafter's own probabilities are sure of; confidence = the drafter's learned confidence head (DSpark "
-    "drafters with one), its predicted chance that every kept draft is accepted >= --draft-cutoff (> 0); "
-    "cost = the width with the most expected tokens per second under this machine's verify cost, measured "
-    "at start-up (no cutoff)."
-)
-
-PROPOSER_HELP = (
-    "Where the drafts come from: dflash = the drafter's block; ngram = the continuation copied from the "
-    "row's own text (prompt + output; the drafter is not run); hybrid = per round, the copy when it is "
-    "expected to get more drafts accepted than the drafter's block; tree = both verified in one target pass "
-    "(a tree mask), the branch with more accepted tokens kept. All lossless."
-)
 
 
 def choice_option(name: str, choices, help_text: str, help_prefix: str = ""):
@@ -52,14 +33,20 @@ def choice_option(name: str, choices, help_text: str, help_prefix: str = ""):
     )
 
 
-def proposer_option(choices, help_prefix: str = ""):
-    """--proposer over decoding/proposal.py PROPOSERS."""
-    return choice_option("proposer", choices, PROPOSER_HELP, help_prefix)
-
-
-def draft_length_option(choices, help_prefix: str = ""):
-    """--draft-length over decoding/draft_length.py DRAFT_LENGTHS."""
-    return choice_option("draft_length", choices, DRAFT_LENGTH_HELP, help_prefix)
+def engine_options(fields, only=None, help_prefix: str = ""):
+    """One --flag per EngineOptions field (decoding/options.py EngineOptions.cli_flags(): name, default,
+    choices, help), so that the flags, their defaults and their help are the fields'; only: the field
+    names to offer (default: all). The command receives each as a keyword of the field's name."""
+    decorators = []
+    for name, default, choices, help_text in fields:
+        if only is not None and name not in only:
+            continue
+        kind = click.Choice(list(choices)) if choices else type(default)
+        flag = "--" + name.replace("_", "-")
+        decorators.append(
+            click.option(flag, name, type=kind, default=default, show_default=True, help=help_prefix + help_text)
+        )
+    return stack(*decorators)
 
 
 def stack(*decorators):

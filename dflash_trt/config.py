@@ -119,6 +119,13 @@ class SamplingParams:
         return self.temperature < self.GREEDY_TEMPERATURE
 
 
+def check_block_size(value: int, name: str = "block_size") -> int:
+    """The one block-size rule, >= 2: the last verified token plus at least one draft (ConfigError naming `name`)."""
+    if int(value) < 2:
+        raise ConfigError(f"{name}{' ' if name.startswith('--') else '='}{value}: must be >= 2 (last token + a draft)")
+    return int(value)
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
     """Tap layers spread evenly: round(1 + i*(L-4)/(n-1)) as in the DFlash paper, clamped for tiny L."""
     L = num_target_layers
@@ -172,8 +179,7 @@ class DrafterConfig:
         for name in drafter_fields.SIZES:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.block_size < 2:
-            raise ConfigError(f"block_size={self.block_size}: must be >= 2 (a block is the last token plus >= 1 draft)")
+        check_block_size(self.block_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

@@ -17,11 +17,10 @@ from pathlib import Path
 import click
 
 from dflash_trt.api import dtype_name, encode, load_drafter, load_target, load_tokenizer, set_block_size, stop_ids
-from dflash_trt.config import SamplingParams
+from dflash_trt.config import SamplingParams, check_block_size
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.decoding.stats import DecodeStats
-from dflash_trt.errors import ConfigError
 from dflash_trt.hub.drafters import bundled_drafter_for
 from dflash_trt.hub.models import models_home
 from dflash_trt.train.data import generate_data
@@ -44,11 +43,8 @@ class QuickstartConfig:
     retrain: bool = False  # ignore the bundled drafter and run the training recipe here
 
     def __post_init__(self):
-        if self.run_block_size is not None and self.run_block_size < 2:
-            raise ConfigError(
-                f"run_block_size={self.run_block_size}: a block holds the last verified token and at "
-                f"least one draft, so use 2 or more (4 is the CPU default)"
-            )
+        if self.run_block_size is not None:
+            check_block_size(self.run_block_size, "run_block_size")  # 4 is the CPU default
 
 
 def quickstart_drafter_dir(cfg: QuickstartConfig) -> Path:
@@ -73,7 +69,8 @@ def obtain_drafter(cfg: QuickstartConfig, target, tokenizer) -> tuple[Path, str]
         return final, f"drafter trained by an earlier quickstart ({final})"
     click.secho(
         f"No bundled drafter for {cfg.target}: training one (a few minutes on 2 CPU cores; a drafter this small "
-        f"and this briefly trained accepts little, see README; cached in {work}).",
+        f"and this briefly trained accepts little, see docs/performance.md#quickstart-smollm2-135m; cached in "
+        f"{work}).",
         fg="yellow",
         err=True,
     )
@@ -104,8 +101,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
     tok = load_tokenizer(path)
     drafter_dir, source = obtain_drafter(cfg, target, tok)
     drafter = load_drafter(target, str(drafter_dir))
-    # fewer MASK slots than trained: with packed CPU weights the bundled B=8 drafter on the quickstart
-    # prompt gave 1.31x / 1.25x at block 4 / 8 (README, "CPU speed")
+    # fewer MASK slots than trained: with packed CPU weights the bundled B=8 drafter ran faster at block 4
+    # than at 8 on the quickstart prompt (docs/performance.md#cpu-speed-prepacked-weights)
     run_b = cfg.run_block_size or (4 if target.device.type == "cpu" else drafter.block_size)
     set_block_size(drafter, min(run_b, drafter.block_size))
     ids = encode(tok, cfg.prompt, chat=True)

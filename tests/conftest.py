@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -47,6 +48,25 @@ TINY = dict(
     vocab_size=256,
     max_position_embeddings=512,
 )
+
+
+EPS32 = torch.finfo(torch.float32).eps
+# the longest reduction in the tiny models: the MLP's down projection sums intermediate_size products
+TINY_K = TINY["intermediate_size"]
+
+
+def fp32_tol(expected: torch.Tensor, k: int = TINY_K, c: float = 8.0) -> dict:
+    """atol / rtol for two fp32 computations of the same values that may sum in different orders: a batch
+    vs one row, a cropped-and-rerun cache vs a fresh one, a reference implementation, or another CPU's
+    GEMM kernels (AVX2 and AVX-512 block their sums differently, so Intel and AMD machines disagree in
+    the last bits). A reordered sum of k terms moves by rounding errors of about eps * sqrt(k) times the
+    terms' size (they accumulate as a random walk; eps * k is a worst case blocked sums never approach);
+    c covers a few chained reductions (attention, then projections, over two layers) and the tail over
+    every element compared. The scale is the expected values' largest magnitude, at least 1 (activations
+    are normalised; values near 0 carry the error of the sums that produced them, not their own size)."""
+    rel = c * EPS32 * math.sqrt(k)
+    scale = max(1.0, float(expected.detach().abs().max())) if expected.numel() else 1.0
+    return {"atol": rel * scale, "rtol": rel}
 
 
 def tiny_config(family: str = "qwen3", **over):

@@ -71,9 +71,9 @@ def test_generate_with_penalties_matches_the_penalised_baseline(pair):
     assert r.exit_code != 0 and r.output.count("\n") == 1 and "min_tokens" in r.output, r.output
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "hybrid", None])
+@pytest.mark.parametrize("proposer", ["ngram", "hybrid", "auto"])
 def test_generate_with_proposer_matches_baseline(pair, proposer):
-    """--proposer ngram / hybrid / the default (auto: hybrid for a DFlash drafter): the same greedy output as
+    """--proposer ngram / hybrid / auto (hybrid for a DFlash drafter): the same greedy output as
     the target alone, the drafts' sources in the stats (ngram never runs the drafter: every draft it verifies
     is copied from the prompt and output)."""
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add"

@@ -1,5 +1,5 @@
-"""Hybrid proposer (decoding/hybrid.py + ngram.py in the engine): greedy output equals the target's
-(batch 3, ragged), copied drafts do get accepted where the text repeats itself, sampled output
+"""Hybrid proposer (decoding/proposers/hybrid.py, records.py + ngram.py in the engine): greedy output equals
+the target's (batch 3, ragged), copied drafts do get accepted where the text repeats itself, sampled output
 follows the target's distribution (chi-square), the choice rule itself, and the one-line refusals."""
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ from conftest import tiny_drafter, tiny_target
 from test_loop import assert_follows_target
 
 from dflash_trt.config import DrafterConfig, SamplingParams
-from dflash_trt.decoding import hybrid
+from dflash_trt.decoding import records
 from dflash_trt.decoding.engine import SpecEngine
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.decoding.ngram import NgramProposal
+from dflash_trt.decoding.proposers import hybrid
+from dflash_trt.decoding.session import Session
+from dflash_trt.decoding.verify_cost import VerifyCost
 from dflash_trt.errors import DFlashError
 from dflash_trt.modeling.drafter import DFlashDrafter
 
@@ -103,8 +106,8 @@ def test_choose_takes_the_copy_only_when_it_expects_more():
 
 
 def test_copy_survival_is_per_position():
-    rec = hybrid.NgramRecord()
-    assert rec.survival(2) == pytest.approx([0.5, 0.5 * hybrid.CONTINUE_PRIOR])  # no data: the priors
+    rec = records.NgramRecord()
+    assert rec.survival(2) == pytest.approx([0.5, 0.5 * records.CONTINUE_PRIOR])  # no data: the priors
     for _ in range(3):  # all or nothing: three copies of 4 taken whole, three rejected at once
         rec.record_copy(4, 4)
         rec.record_copy(4, 0)
@@ -116,7 +119,7 @@ def test_copy_survival_is_per_position():
 def test_a_new_request_starts_from_the_shared_history():
     """A request's record starts from the earlier requests' verdicts (DrafterRecord.start, at most
     PRIOR_WEIGHT pseudo-observations), and its own verdicts take over."""
-    rec = hybrid.DrafterRecord()
+    rec = records.DrafterRecord()
     first = rec.start()
     assert first.survival(3) == pytest.approx([0.5, 0.4, 0.32])  # no history: the priors alone
     for _ in range(20):
@@ -135,28 +138,32 @@ def test_a_new_request_starts_from_the_shared_history():
     assert rec.history.reached[0] == pytest.approx(decayed, rel=1e-9)
 
 
-def test_a_second_request_copies_from_its_first_round():
+def test_a_second_request_copies_from_its_first_round(monkeypatch):
     """Same looping text twice over one drafter: the second request knows copies pay before its own
-    first verdict, so it needs no more rounds than the first and verifies copies at least as often."""
+    first verdict, so it needs no more rounds than the first and verifies copies at least as often.
+    A flat verify cost (every width as cheap as one token), so that no copy is cut for this machine's
+    measured timings: the choice between sources is what is compared."""
+    monkeypatch.setattr(VerifyCost, "measure", classmethod(lambda cls, *a, **k: cls([1, 512], [1.0, 1.0])))
     t = _looping_target()
     d = tiny_drafter(t, block_size=4, scale=0.3)
     prompt, params = [[1, 2, 3, 4, 5, 1, 2, 3]], SamplingParams(max_new_tokens=40, ignore_eos=True)
-    first = generate(t, d, prompt, params, kernels="torch", proposer="hybrid").stats
-    second = generate(t, d, prompt, params, kernels="torch", proposer="hybrid").stats
+    session = Session()  # the history carried from the first call to the second
+    first = generate(t, d, prompt, params, kernels="torch", proposer="hybrid", session=session).stats
+    second = generate(t, d, prompt, params, kernels="torch", proposer="hybrid", session=session).stats
     assert second.num_verify_steps <= first.num_verify_steps
     assert second.sources["copied"]["steps"] >= first.sources["copied"]["steps"] > 0
 
 
 def test_auto_is_hybrid_where_the_family_gives_probabilities():
     t = tiny_target("qwen3")
-    assert SpecEngine(t, tiny_drafter(t), kernels="torch", proposer="auto").proposer == "hybrid"
+    assert SpecEngine(t, tiny_drafter(t), kernels="torch", proposer="auto").proposer.name == "hybrid"
     cfg = DrafterConfig.for_target(t.config, num_layers=1, block_size=4)
     cfg = dataclasses.replace(
         cfg,
         architectures=["DFlash2DraftModel"],
         family_fields={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 3},
     )
-    assert SpecEngine(t, DFlashDrafter(cfg).bind(t), kernels="torch", proposer="auto").proposer == "dflash"
+    assert SpecEngine(t, DFlashDrafter(cfg).bind(t), kernels="torch", proposer="auto").proposer.name == "dflash"
 
 
 def test_refusals_are_one_line():

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_hf
+from conftest import fp32_tol, tiny_config, tiny_hf
 from parity_common import MASK, L, edit_config, our_generate, train_until_it_accepts
 from safetensors.torch import load_file, save_file
 
@@ -113,7 +113,7 @@ def cached_steps(hf, ours, theirs):
         rcache.crop(start - rcache.get_seq_length())  # transformers 5 crops by a negative count
         ours.inject_context(feats[:, prev:start], torch.tensor([start - prev]), dcache)
         oh = ours.draft_block(block, dcache)
-        torch.testing.assert_close(oh, rh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(oh, rh, **fp32_tol(rh))
         yield block, rh, oh, dcache
         prev, start = start, start + accepted + 1
 
@@ -145,12 +145,12 @@ def test_dspark_states_logits_path_and_confidence_match_specforge(tmp_path, kind
             forced = torch.randint(0, MASK, prev.shape, generator=g)  # teacher forcing off the greedy path
             rforced = theirs.apply_logits_head(base, prev_token_ids=forced, hidden_states=sel)
             ohid = dspark.proposal_hidden(ours, oh)
-            torch.testing.assert_close(ohid, sel, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(dspark.corrected_logits(ours, ohid, prev), rlog, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(dspark.corrected_logits(ours, ohid, forced), rforced, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ohid, sel, **fp32_tol(sel))
+            torch.testing.assert_close(dspark.corrected_logits(ours, ohid, prev), rlog, **fp32_tol(rlog))
+            torch.testing.assert_close(dspark.corrected_logits(ours, ohid, forced), rforced, **fp32_tol(rforced))
             drafted, q, conf = _propose(ours, block, cache, frozenset({"confidence"}))
         assert q is None and drafted[0, 0] == block[0, 0] and drafted[:, 1:].tolist() == rtok.tolist()
-        torch.testing.assert_close(conf["confidence"], rconf, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conf["confidence"], rconf, **fp32_tol(rconf))
         differs += int((rlog.argmax(-1) != base.argmax(-1)).sum())
     assert differs  # the Markov head changed some argmax: the path compared is the head's
 
@@ -174,7 +174,7 @@ def test_domino_states_logits_and_path_match_specforge(tmp_path, shift, prefix):
                     prev_token_embeddings=hf.model.embed_tokens(tokens)[:, None],
                     hidden_states=rh[:, None],
                 )[:, 0, pos]
-                torch.testing.assert_close(domino.corrected_logits(ours, oh, tokens), rl, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(domino.corrected_logits(ours, oh, tokens), rl, **fp32_tol(rl))
                 differs += int((rl.argmax(-1) != base.argmax(-1)).sum())
         assert q is None and drafted[0, 0] == block[0, 0] and drafted[:, 1:].tolist() == rtok.tolist()
     assert differs  # the GRU correction changed some argmax

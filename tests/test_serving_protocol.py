@@ -251,7 +251,7 @@ def test_engine_loader_passes_the_proposer(tmp_path):
     )
     DFlashDrafter(cfg).save_pretrained(tmp_path / "dflash2")
     make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "plain"), dtype="float32", proposer="ngram")
-    assert make().proposer == "ngram"
+    assert make().proposer.name == "ngram"
     make = load_engine_factory(str(tmp_path / "target"), str(tmp_path / "dflash2"), dtype="float32", proposer="hybrid")
     with pytest.raises(DFlashError, match="proposer=hybrid: DFlash 2 drafters") as e:
         Orchestrator(make)

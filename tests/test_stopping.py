@@ -16,8 +16,9 @@ from test_serving_units import serve_one
 from dflash_trt.api import load_tokenizer, stop_ids
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.loop import generate
-from dflash_trt.decoding.stopping import model_stop_ids, target_stop_ids, tokenizer_stops
+from dflash_trt.decoding.stopping import target_stop_ids
 from dflash_trt.errors import CheckpointError
+from dflash_trt.modeling.stop_ids import model_stop_ids, tokenizer_stops
 from dflash_trt.modeling.target import TargetModel
 from dflash_trt.serving.engine_factory import load_engine_factory
 from dflash_trt.serving.protocol import Sampling, TokenRequest

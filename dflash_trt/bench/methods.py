@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_trt.bench.clocks import ForwardTimer, PassClock
+from dflash_trt.bench.clocks import sync as _sync
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.session import Session
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.client import DFlashClient
 
@@ -84,11 +87,6 @@ def hist_of(sizes) -> list[int]:
     return h
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 class Method:
     name = ""
     lossless = True  # greedy output must equal the reference token for token
@@ -136,6 +134,9 @@ class DFlash(Method):
 
     def prepare(self):
         self.drafter = self.ctx.drafter(self.block_size)
+        # what the engine learns (the drafter's record, the verify cost curve) carries over this method's
+        # prompts, as it would over a server's requests (decoding/session.py); the warm-up round fills it
+        self.session = Session()
 
     def draft_options(self) -> dict:
         cfg = self.ctx.cfg
@@ -144,7 +145,13 @@ class DFlash(Method):
     def run(self, item, params):
         t0 = time.perf_counter()
         res = generate(
-            self.ctx.target, self.drafter, [item.ids], params, proposer=self.proposer, **self.draft_options()
+            self.ctx.target,
+            self.drafter,
+            [item.ids],
+            params,
+            proposer=self.proposer,
+            session=self.session,
+            **self.draft_options(),
         )
         _sync(self.ctx.device)
         wall = time.perf_counter() - t0
@@ -192,47 +199,6 @@ class Tree(DFlash):
 
 
 # ---- Hugging Face generate() -----------------------------------------------------------------
-class _PassClock:
-    """A transformers streamer (duck-typed BaseStreamer): put() once for the prompt, then once per
-    target pass with the tokens that pass emitted."""
-
-    def __init__(self):
-        self.events: list[tuple[float, int]] = []
-
-    def put(self, value):
-        self.events.append((time.perf_counter(), int(value.numel())))
-
-    def end(self):
-        pass
-
-
-class _ForwardTimer:
-    """(start, end) of every forward call of a module, via forward pre/post hooks."""
-
-    def __init__(self, module, device):
-        self.module, self.device, self.calls, self._t, self._hooks = module, device, [], 0.0, []
-
-    def __enter__(self):
-        if self.module is not None:
-            self._hooks = [
-                self.module.register_forward_pre_hook(self._pre),
-                self.module.register_forward_hook(self._post),
-            ]
-        return self
-
-    def _pre(self, *_):
-        _sync(self.device)
-        self._t = time.perf_counter()
-
-    def _post(self, *_):
-        _sync(self.device)
-        self.calls.append((self._t, time.perf_counter()))
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-
-
 def neutral_generation_config(model, tokenizer) -> None:
     """Replace a model's generation defaults (repetition penalty, sampling knobs from the Hub) by
     plain ones, so `generate()` does exactly what our engine does for the same SamplingParams."""
@@ -263,8 +229,8 @@ def hf_run(ctx, item: Item, params: SamplingParams, assistant=None, **extra) -> 
             torch.manual_seed(params.seed)
     if assistant is not None:
         kw["assistant_model"] = assistant
-    clock = _PassClock()
-    with torch.no_grad(), _ForwardTimer(model, ctx.device) as tgt, _ForwardTimer(assistant, ctx.device) as asst:
+    clock = PassClock()
+    with torch.no_grad(), ForwardTimer(model, ctx.device) as tgt, ForwardTimer(assistant, ctx.device) as asst:
         t0 = time.perf_counter()
         out = model.generate(ids, streamer=clock, **kw, **extra)
         _sync(ctx.device)

@@ -34,10 +34,11 @@ from dflash_trt.bench import report, scaling
 from dflash_trt.bench.datasets import load_dataset
 from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, neutral_generation_config
 from dflash_trt.bench.schedule import fit_prompt, run_schedule
-from dflash_trt.config import SamplingParams
+from dflash_trt.config import SamplingParams, check_block_size
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
-from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.options import DEFAULT_PROPOSER
+from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.decoding.stopping import target_stop_ids
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.cpu_pack import pack_hf_model
@@ -68,7 +69,7 @@ class BenchConfig:
     block_size: int | None = None
     draft_cutoff: float = 0.0  # dflash: verify only the drafts the drafter is this sure of (decoding/draft_length.py)
     draft_length: str = "block"  # dflash: what draft_cutoff gates: block | confidence (a DSpark confidence head)
-    proposer: str = "dflash"  # dflash-triton: the served engine's proposer (in-process: methods ngram / hybrid)
+    proposer: str = DEFAULT_PROPOSER  # dflash-triton: the served engine's (in-process: methods ngram / hybrid)
     out_dir: str = "bench_out"
     dtype: str = "auto"
     device: str = "auto"
@@ -92,8 +93,8 @@ class BenchConfig:
             raise ConfigError(f"num_prompts={self.num_prompts}: must be >= 1")
         if self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature}: must be >= 0")
-        if any(b < 2 for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else [])):
-            raise ConfigError("block sizes must be >= 2")
+        for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else []):
+            check_block_size(b)
         length_source(self.draft_length, check_cutoff(self.draft_cutoff))
         if self.proposer not in PROPOSERS:  # the engine's values; it refuses the rest when it loads
             raise ConfigError(f"proposer={self.proposer!r}: choose one of {', '.join(PROPOSERS)}")

@@ -9,11 +9,11 @@ shows the bias). DFlash drafts every position in one pass from the same context,
 depend on the drawn drafts and a length chosen from q alone leaves each accept test exact.
 
 Why: a verify pass over W tokens costs about W times as much on a CPU as a 1-token decode step
-when W is small (a 16-token pass of Qwen2.5-Coder-0.5B, packed fp32: 110 ms against 70 ms for one
-token on 2 cores), while on a GPU it costs the same up to tens of tokens. The drafter's confidence
-predicts acceptance well: drafts whose probability is below 0.1 are accepted about 5% of the
-time. Verifying only the drafts whose cumulative confidence (the running product of the drafter's
-probabilities, a rough P(all of them are accepted)) stays at or above a cutoff spends verify
+when W is small, while on a GPU it costs the same up to tens of tokens (measurements:
+docs/performance.md#draft-cutoff-verify-only-the-sure-drafts-2026-12-06). The drafter's confidence
+predicts acceptance well: drafts it gives a low probability are rarely accepted. Verifying only
+the drafts whose cumulative confidence (the running product of the drafter's probabilities, a rough
+P(all of them are accepted)) stays at or above a cutoff spends verify
 width where it is likely to pay. A step with no confident draft verifies the last token alone:
 exactly a plain decode step. cutoff 0 verifies the whole block (the paper's loop).
 """

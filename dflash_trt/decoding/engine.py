@@ -2,7 +2,12 @@
 
 Boundary: owns per-request state (sampling params, RNG, outputs, statistics) and the batch's
 caches; requests join (`add_request`) and leave (finish / `cancel`) between steps, so it serves
-both `generate()` and the Triton orchestrator's continuous batching. Model math lives in
+both `generate()` and the Triton orchestrator's continuous batching. What a round verifies is the
+proposer's choice (decoding/proposers/: one module each, chosen once from a registry; the engine
+never compares their names), which reads the batch through `draft()` / `copy_round()` and learns
+from the verdicts (`observe`); the engine verifies (a chain, or a proposer's token tree:
+decoding/tree.py), accepts, rewinds and keeps the caches. How to decode is one EngineOptions
+(decoding/options.py), what engines learn a Session (decoding/session.py). Model math lives in
 modeling/, how a drafter family turns its block into drafts and q in families/ (propose),
 acceptance math in decoding/verify.py; the statistics type, the stop/length rule and
 the prompt check it applies are decoding/stats.py, stopping.py and prompt.py.
@@ -22,28 +27,22 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.decoding import context_queue, hybrid, penalties, proposal, tree
-from dflash_trt.decoding import verify_cost as verify_costs
+from dflash_trt.decoding import context_queue, penalties, proposal, tree
 from dflash_trt.decoding.draft_length import check_cutoff, draft_lengths
-from dflash_trt.decoding.hybrid import NgramRecord
 from dflash_trt.decoding.ngram import NgramProposal, SuffixIndex
+from dflash_trt.decoding.options import EngineOptions
 from dflash_trt.decoding.prompt import check_prompt
 from dflash_trt.decoding.proposal import Proposal
+from dflash_trt.decoding.proposers import plan as plan_proposer
+from dflash_trt.decoding.records import NgramRecord
+from dflash_trt.decoding.session import Session
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule, target_stop_ids
-from dflash_trt.decoding.verify import Verdict, accept_rows, sample_tokens, warp_logits
+from dflash_trt.decoding.verify import Verdict, accept_ops, accept_rows, sample_tokens, warp_logits
 from dflash_trt.decoding.verify_cost import VerifyCost
 from dflash_trt.errors import DFlashError
 from dflash_trt.families import dflash
-from dflash_trt.modeling import fast_path
 from dflash_trt.modeling.cuda_graph import propose_graphs
-
-PROPOSERS = proposal.PROPOSERS
-# draft_length=cost: a drafter that has not been paying is still tried every 8th round, then every 16th, ...
-# each time a try shows it still not paying, up to every 64th (exponential back-off: every try costs a draft
-# pass and a wider verify, and off its training distribution a drafter rarely starts paying again)
-PROBE_EVERY, PROBE_EVERY_MAX = 8, 64
-NO_COPY = NgramProposal([], 0)
 
 
 @dataclass
@@ -65,8 +64,8 @@ class _Request:
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    index: SuffixIndex | None = None  # proposer=hybrid: the row's text (prompt + output) for copied drafts
-    ngram: NgramRecord | None = None  # proposer=hybrid: how the copied drafts fared
+    index: SuffixIndex | None = None  # copying proposers: the row's text (prompt + output) for copied drafts
+    ngram: NgramRecord | None = None  # copying proposers: how the copied drafts fared (decoding/records.py)
     pen: penalties.PenaltyState | None = None  # its logit controls' counts (None: it sets none)
 
 
@@ -77,32 +76,24 @@ class SpecEngine:
         drafter,
         max_batch: int = 16,
         max_seq_len: int | None = None,
-        kernels: str = "auto",
-        cuda_graph: str = "auto",
-        draft_cutoff: float = 0.0,
-        draft_length: str = "block",
-        proposer: str = "dflash",
+        options: EngineOptions | None = None,
         verify_cost: VerifyCost | None = None,
+        session: Session | None = None,
         _capture=None,
+        **fields,
     ):
-        """kernels: "auto" | "triton" | "torch" (see modeling/fast_path.py): the drafter's context
-        injection and block attention and the acceptance step on the Triton kernels or PyTorch.
-        cuda_graph: "auto" | "on" | "off": replay the drafter's propose step from a CUDA graph
-        (modeling/cuda_graph.py; needs the Triton kernels on a CUDA device; auto = when they run).
-        draft_cutoff: verify only the leading drafts whose cumulative drafter confidence is at least
-        this (decoding/draft_length.py); 0 verifies the whole block every step.
-        draft_length: "block" (the drafter's own probabilities, when draft_cutoff > 0) or "confidence"
-        (the drafter's learned acceptance head, DSpark's: the cutoff applies to its predictions).
-        proposer: "dflash" (the drafter's block), "ngram" (the continuation copied from the row's own
-        text, decoding/ngram.py; the drafter is not run) or "hybrid" (per row and round, the copy when
-        it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py) or "tree"
-        (both verified in one pass as a token tree, the longer accepted branch kept; decoding/tree.py), or
-        "auto" (hybrid where the drafter family gives per-draft probabilities, else dflash: proposal.resolve).
-        verify_cost: draft_length="cost" only, the verify cost curve (default: measured here at start-up,
-        decoding/verify_cost.py).
+        """options: how to decode (decoding/options.py EngineOptions: proposer, draft length and cutoff,
+        kernels, CUDA graph); `fields` replace single options (SpecEngine(t, d, proposer="ngram")).
+        verify_cost: the verify cost curve for draft_length="cost" and the hybrid's pay gate (default: the
+        session's, measured on first use, decoding/verify_cost.py).
+        session: what engines learn about the drafter and the machine (decoding/session.py); pass the same
+        Session to engines that should share it (default: a fresh one, this engine's own).
         _capture: tests only, a stand-in for CUDA graph capture (cuda_graph.eager_capture)."""
+        opts = self.options = EngineOptions.of(options, **fields)
+        kernels, cuda_graph, draft_cutoff = opts.kernels, opts.cuda_graph, opts.draft_cutoff
+        draft_length, proposer = opts.draft_length, opts.proposer
         self.target, self.drafter = target, drafter
-        self.accept_ops = fast_path.accept_ops(kernels, target.device)
+        self.accept_ops = accept_ops(kernels, target.device)
         # the drafter object is shared, so every engine sets its switch; drafters without one
         # (test doubles) have no kernels to run
         self.drafter_kernels = drafter.use_kernels(kernels) if hasattr(drafter, "use_kernels") else "torch"
@@ -110,9 +101,8 @@ class SpecEngine:
         self.draft_cutoff = check_cutoff(draft_cutoff)
         self.family = getattr(drafter, "family", dflash)  # test doubles draft as plain DFlash
         offered = self.family.lengths(drafter.config) if hasattr(drafter, "config") else ("probability",)
-        proposer = proposal.resolve(proposer, offered)
-        plan = proposal.plan(draft_length, self.draft_cutoff, proposer, self.family.LABEL, offered)
-        self.length_source, self.cost_source, self.proposer = plan.length_source, plan.cost_source, proposer
+        plan = plan_proposer(draft_length, self.draft_cutoff, proposer, self.family.LABEL, offered)
+        self.length_source, self.cost_source = plan.length_source, plan.cost_source
         self.needs, self.variable = plan.needs, plan.variable
         self.graphs = propose_graphs(cuda_graph, drafter, self.drafter_kernels, target.device, _capture)
         self.block_size = drafter.block_size
@@ -120,16 +110,15 @@ class SpecEngine:
         self.max_seq_len = min(max_seq_len or 4096, target.max_context())
         self.tap_layers = list(drafter.target_layer_ids)
         self.eos = target_stop_ids(target)
+        self.session = session or Session()
         self.cost = None
-        if self.length_source == "cost":
-            self.cost = verify_cost or verify_costs.for_target(
+        if self.length_source == "cost" or plan.proposer.gated:
+            self.cost = verify_cost or self.session.verify_cost(
                 target, min(max_batch * self.block_size, 512), self.tap_layers
             )
-        self.draft_seconds = 0.0  # running mean of the propose step's time, for draft_length=cost
-        self.skipped = 0  # draft_length=cost: rounds the drafter has been skipped since its last probe
-        self.probe_every = PROBE_EVERY  # draft_length=cost: skipped rounds before the next probe
+        self.proposer = plan.proposer(self.session.record(plan.proposer.name), self.cost)
+        self.draft_seconds = 0.0  # running mean of the propose step's time
         self.deferred = False  # pending holds features of rounds without the drafter (decoding/context_queue.py)
-        self.record = hybrid.record_of(drafter, proposer)  # the drafter's recent rounds, shared by engines over it
         self.reqs: list[_Request] = []  # row order of every batch tensor below
         self.tcache = self.dcache = None
         self.last = self.pending = self.pending_n = None  # [R], [R, B, taps*d], [R]
@@ -156,16 +145,15 @@ class SpecEngine:
             rule = StopRule.for_request(params, self.eos, len(ids), self.max_seq_len)
             req = _Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids)))
             req.pen = penalties.state_for(params, rule.stops, ids, self.target.vocab_size, self.target.device)
-            if self.proposer != "dflash":
-                req.index, req.ngram = SuffixIndex(ids), self.record.start()
+            self.proposer.start(req, ids)
             reqs.append(req)
             prompts.append(ids)
         t0 = time.perf_counter()
-        cap = self.max_seq_len + self.block_size * (2 if self.proposer == "tree" else 1)  # a tree: 2B-1 wide
+        cap = self.max_seq_len + self.block_size * self.proposer.cache_blocks
         tcache, dcache = self.target.new_cache(len(items), cap), self.drafter.new_cache(len(items), cap)
         out = self.target.prefill(prompts, tcache, self.tap_layers)
         lens = tcache.lengths.clone()
-        if self.proposer != "ngram":  # the n-gram proposer never runs the drafter
+        if self.proposer.uses_drafter:
             self.drafter.inject_context(out.taps, lens, dcache)
         first = torch.stack([self._sample(req, out.logits[r, 0]) for r, req in enumerate(reqs)])
         dt = time.perf_counter() - t0
@@ -216,57 +204,42 @@ class SpecEngine:
     def _round(self) -> None:
         t0 = time.perf_counter()
         prop = self.propose()
-        block, n_draft = prop.block, prop.n_draft
         t1 = time.perf_counter()
         self.draft_seconds = t1 - t0 if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * (t1 - t0)
-        # rows verify together; a shorter row's extra drafts are not judged (no host sync at full width)
-        width = int(n_draft.max()) + 1 if self.variable else self.block_size
-        if prop.copies is None:
-            out = self.verify(block[:, :width])
-            q = None if prop.q is None else prop.q[:, : width - 1]
-            verdict = self.accept(block[:, :width], out.logits, q, n_draft)
-            t2 = time.perf_counter()
+        if prop.tree is None:
+            # rows verify together; a shorter row's extra drafts are not judged (no host sync at full width)
+            width = int(prop.n_draft.max()) + 1 if self.variable else self.block_size
+            block = prop.block[:, :width]
+            out = self.verify(block)
+            verdict = self.accept(block, out.logits, None if prop.q is None else prop.q[:, : width - 1], prop.n_draft)
             self.rewind(verdict, out.taps)
-        else:  # proposer=tree: verify, accept and rewind the two-branch tree (prop becomes the kept branch)
-            verdict, t2 = tree.verify_round(self, prop), time.perf_counter()
-            block, n_draft = prop.block, prop.n_draft
-        accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), n_draft.tolist()
-        drafts = block[:, 1:].tolist()
+        else:
+            verdict = self._verify_tree(prop)
+        t2 = time.perf_counter()
+        accepted, bonus, drafted = verdict.accepted.tolist(), verdict.bonus.tolist(), prop.n_draft.tolist()
+        drafts = prop.block[:, 1:].tolist()
         survival = None if prop.predicted is None else prop.predicted.float().cumprod(dim=1).tolist()
-        claimed = None  # hybrid: what the drafter's probabilities expected of its verified drafts
-        if self.proposer in ("hybrid", "tree") and prop.probability is not None:
-            claimed = prop.probability.float().cumprod(dim=1).tolist()
         for r, req in enumerate(self.reqs):
             a, copied = accepted[r], prop.copied[r]
             predicted = None if survival is None or copied else survival[r][: drafted[r]]
             req.stats.record(a, drafted[r], predicted, copied)
-            if copied:
-                req.ngram.record_copy(drafted[r], a)
-            elif prop.drafter_ran:
-                self.record.add(a, drafted[r], t1 - t0)
-                if claimed is not None:
-                    req.ngram.record_drafter(sum(claimed[r][: drafted[r]]), a)
             req.stats.draft_time += t1 - t0
             req.stats.verify_time += t2 - t1
             self._emit(req, drafts[r][:a] + [bonus[r]])
+        self.proposer.observe(self, prop, verdict, t1 - t0)
         self._drop_finished()
 
     def propose(self) -> Proposal:
-        """Inject last round's target features, draft a block through the drafter's family (families/);
-        rows whose own text offers a better continuation take it instead (hybrid, decoding/hybrid.py)."""
+        """This round's Proposal: the proposer's (decoding/proposers/), cut to the most profitable verify
+        width with draft_length=cost."""
+        return self._by_cost(self.proposer.propose(self))
+
+    def draft(self) -> Proposal:
+        """The drafter's block for every row (proposers call this): its queued context injected, then its
+        family's propose (families/), or the same two calls replayed from a CUDA graph; the draft length
+        from the drafter's confidence where draft_length asks for it (decoding/draft_length.py)."""
         R, B = len(self.reqs), self.block_size
         rows = [(r.params, r.generator) for r in self.reqs]
-        mask, V = self.drafter.mask_token_id, self.target.vocab_size
-        # copied rows' P(drafts 1..j+1 accepted), for the hybrid choice and the cost cut
-        survivals = None if self.proposer == "dflash" else [r.ngram.survival(B - 1) for r in self.reqs]
-        if self.proposer == "ngram":
-            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V), {}, survivals)
-        proposals = [NO_COPY] * R
-        if self.proposer != "dflash":
-            proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]
-        if self._skip_drafter(proposals, survivals):
-            self._defer()
-            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V, proposals), {}, survivals)
         if self.graphs is not None:  # the same two calls, replayed from a CUDA graph (plain DFlash only)
             block, logits = self.graphs(self.pending, self.pending_n, self.last, self.dcache)
             gated = "probability" in self.needs
@@ -283,32 +256,30 @@ class SpecEngine:
             n_draft = torch.full((R,), B - 1, dtype=torch.long, device=self.last.device)
         else:
             n_draft = draft_lengths(conf[self.length_source], self.draft_cutoff)
-        copied, copies = [False] * R, None
-        if self.proposer == "tree":  # every row's copy is verified beside the block, no choice (decoding/tree.py)
-            copies = tree.branches(proposals)
-        elif self.proposer == "hybrid":
-            calibrations = [r.ngram.calibration for r in self.reqs]
-            copied = hybrid.choose(block, q, n_draft, conf["probability"], proposals, survivals, calibrations)
-        prop = Proposal(block, q, n_draft, conf.get("confidence"), copied, conf.get("probability"), copies=copies)
-        return self._by_cost(prop, conf, survivals)
+        prop = Proposal(block, q, n_draft, conf.get("confidence"), [False] * R, conf.get("probability"))
+        prop.estimates = conf.get(self.cost_source)
+        return prop
 
-    def _skip_drafter(self, proposals, survivals) -> bool:
-        """Rounds without the drafter: every row has a copy expected to do at least as well as the
-        drafter has been doing (hybrid), or, with draft_length=cost, drafting has not been paying
-        for itself against plain decode steps (probed every PROBE_EVERY skipped rounds)."""
-        record = self.record
-        if self.proposer != "dflash" and hybrid.copies_win(proposals, survivals, record):
-            return True
-        if self.length_source != "cost" or not record.rounds:
-            return False
-        if verify_costs.drafter_pays(record.accepted, 1.0 + record.drafted, record.seconds, len(self.reqs), self.cost):
-            self.skipped, self.probe_every = 0, PROBE_EVERY
-            return False
-        self.skipped += 1
-        if self.skipped < self.probe_every:
-            return True
-        self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_EVERY_MAX)  # probe this round
-        return False
+    def copy_round(self, proposals: list[NgramProposal]) -> Proposal:
+        """A round without the drafter (proposers call this): rows verify their copies (proposals per row;
+        [] or an empty copy: a plain step); the drafter's context waits in its queue."""
+        self._defer()
+        return proposal.copy_all(
+            self.last, self.reqs, self.block_size, self.drafter.mask_token_id, self.target.vocab_size, proposals
+        )
+
+    def _verify_tree(self, prop: Proposal) -> Verdict:
+        """A tree proposal (decoding/tree.py): verify both branches in one pass; the target cache keeps the
+        longer accepted one, whose features join the drafter's queue; prop becomes the kept branch."""
+        rows = [(r.params, r.generator) for r in self.reqs]
+        pens = [r.pen for r in self.reqs]
+        tv = tree.verify(self.target, self.tcache, self.tap_layers, self.accept_ops, rows, pens, prop.tree, prop.q)
+        self.pending, self.pending_n, self.last = tv.taps, tv.verdict.accepted + 1, tv.verdict.bonus
+        prop.block, prop.n_draft, prop.losers = tv.block, tv.n_draft, tv.losers
+        prop.copied = [c or w for c, w in zip(prop.copied, tv.won)]
+        for r, judged in tv.judged.items():
+            self.reqs[r].stats.record_tree(judged, tv.won[r])
+        return tv.verdict
 
     def _inject(self) -> None:
         """The drafter's context catches up with the target's: every queued feature is injected."""
@@ -318,16 +289,16 @@ class SpecEngine:
     def _defer(self) -> None:
         """A round without the drafter: its context waits in the queue (decoding/context_queue.py), unless
         the queue is full or the drafter replays from a CUDA graph, which takes one block's width."""
-        if self.graphs is not None or self.pending.shape[1] >= context_queue.MAX_BLOCKS * self.block_size:
+        if self.graphs is not None or context_queue.full(self.pending, self.block_size):
             self._inject()
         else:
             self.deferred = True
 
-    def _by_cost(self, prop: Proposal, conf: dict, survivals: list[list[float]] | None) -> Proposal:
-        """survivals: the copied rows' (None: no row can copy, proposer=dflash)."""
+    def _by_cost(self, prop: Proposal) -> Proposal:
+        """draft_length=cost: the batch's most profitable verify width (decoding/proposal.py cut_by_cost)."""
         if self.length_source != "cost":
             return prop
-        return proposal.cut_by_cost(prop, conf.get(self.cost_source), survivals, self.cost, self.draft_seconds)
+        return proposal.cut_by_cost(prop, prop.estimates, self.cost, self.draft_seconds)
 
     def verify(self, block: torch.Tensor):
         """The target scores the block (the last token and the drafts to verify) in one pass:

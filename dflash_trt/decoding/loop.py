@@ -17,6 +17,8 @@ import torch
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding import penalties
 from dflash_trt.decoding.engine import SpecEngine
+from dflash_trt.decoding.options import EngineOptions
+from dflash_trt.decoding.session import Session
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.decoding.stopping import StopRule, target_stop_ids
 from dflash_trt.decoding.verify import sample_tokens, warp_logits
@@ -49,20 +51,15 @@ def generate(
     input_ids,
     params: SamplingParams | None = None,
     max_seq_len: int | None = None,
-    kernels: str = "auto",
-    cuda_graph: str = "auto",
-    draft_cutoff: float = 0.0,
-    draft_length: str = "block",
-    proposer: str = "dflash",
+    options: EngineOptions | None = None,
+    session: Session | None = None,
     _capture=None,
+    **fields,
 ) -> GenerationResult:
     """DFlash speculative decoding of every prompt in input_ids (list of token lists or [R, L]).
-    kernels: "auto" | "triton" | "torch", the drafter / acceptance backend (modeling/fast_path.py);
-    cuda_graph: "auto" | "on" | "off", drafter step replayed from a CUDA graph (modeling/cuda_graph.py);
-    draft_cutoff: verify only the drafts the drafter is this sure of (decoding/draft_length.py; 0 = all);
-    draft_length: "block" | "confidence", what the cutoff thresholds (the drafter's probabilities, or its
-    learned confidence head's predicted acceptance; decoding/draft_length.py length_source);
-    proposer: "dflash" | "hybrid" (rows may verify a continuation copied from their own text, decoding/hybrid.py)."""
+    options: how to decode (decoding/options.py EngineOptions: proposer, draft length and cutoff, kernels,
+    CUDA graph), `fields` replacing single ones (generate(t, d, ids, proposer="hybrid"));
+    session: learned state to share with other calls (decoding/session.py; default: this call's own)."""
     params = params or SamplingParams()
     prompts = _as_prompts(input_ids)
     need = max(len(p) for p in prompts) + params.max_new_tokens + 1
@@ -71,11 +68,8 @@ def generate(
         drafter,
         max_batch=len(prompts),
         max_seq_len=max_seq_len or need,
-        kernels=kernels,
-        cuda_graph=cuda_graph,
-        draft_cutoff=draft_cutoff,
-        draft_length=draft_length,
-        proposer=proposer,
+        options=EngineOptions.of(options, **fields),
+        session=session,
         _capture=_capture,
     )
     t0 = time.perf_counter()

@@ -1,9 +1,9 @@
-"""A round's proposal (what the target verifies): which proposer and draft length an engine runs
-(`plan`, with the one-line refusals), and the shaping applied after the drafter: rows whose drafts
-are all copied from their own text (proposer=ngram) and the cut to the batch's most profitable
-verify width (draft_length=cost).
+"""A round's proposal (what the target verifies) and the shaping the engine and proposers share: rows
+whose drafts are copied from their own text (`copy_all`, `place`) and the cut to the batch's most
+profitable verify width (draft_length=cost, `cut_by_cost`).
 
-Boundary: tensors and per-row lists in, a Proposal out; the engine owns the requests and caches.
+Boundary: tensors and per-row lists in, a Proposal out; the engine owns the requests and caches, the
+proposers (decoding/proposers/) decide what goes into a Proposal.
 """
 
 from __future__ import annotations
@@ -12,79 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trt.decoding import hybrid
-from dflash_trt.decoding.draft_length import length_source
+from dflash_trt.decoding.records import MIN_MATCH
+from dflash_trt.decoding.tree import Tree
 from dflash_trt.decoding.verify_cost import VerifyCost, best_width
-from dflash_trt.errors import DFlashError
-
-PROPOSERS = ("dflash", "ngram", "hybrid", "tree")
-# "auto" (the generate command's default): hybrid where the drafter gives per-draft probabilities to weigh
-# against copies (DFlash, DSpark, Domino), else dflash (DFlash 2). Measured on a CPU, hybrid was at least
-# dflash's speed on every target x dataset pair of docs/performance.md ("Copied drafts").
-AUTO = "auto"
-
-
-def resolve(proposer: str, offered: tuple[str, ...]) -> str:
-    """proposer, with AUTO replaced by what this drafter family supports (offered: family.lengths)."""
-    if proposer != AUTO:
-        return proposer
-    return "hybrid" if "probability" in offered else "dflash"
-
-
-@dataclass(frozen=True)
-class Plan:
-    length_source: str | None  # decoding/draft_length.py length_source
-    cost_source: str | None  # the drafter's acceptance estimate draft_length=cost weighs drafts by
-    needs: frozenset  # the confidences the family's propose must return
-    variable: bool  # rows may verify fewer than B-1 drafts
-
-
-def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: tuple[str, ...]) -> Plan:
-    """Check the combination once, at engine start (DFlashError naming the option). label: the drafter
-    family's name; offered: the confidence sources its propose can return (family.lengths)."""
-    source = length_source(draft_length, cutoff)
-    cost_source = next((k for k in ("confidence", "probability") if k in offered), None)
-    if proposer not in PROPOSERS:
-        raise DFlashError(f"proposer={proposer!r}: choose one of {', '.join(PROPOSERS)}")
-    if source == "cost" and cost_source is None and proposer != "ngram":
-        raise DFlashError(
-            f"draft_length=cost: {label} drafters give no per-draft probability to weigh against the verify "
-            f"cost; use draft_length=block"
-        )
-    if source == "probability" and "probability" not in offered:
-        raise DFlashError(
-            f"draft_cutoff={cutoff}: not supported for {label} drafters (their drafts have no per-draft "
-            f"probability to cut at); use draft_cutoff=0"
-        )
-    if source == "confidence" and "confidence" not in offered:
-        raise DFlashError(
-            f"draft_length=confidence: this {label} drafter has no confidence head (DSpark drafters with "
-            f"enable_confidence_head have one); use draft_length=block"
-        )
-    if proposer == "ngram" and source not in (None, "cost"):
-        raise DFlashError(
-            "proposer=ngram: draft_cutoff / draft_length=confidence act on the drafter's drafts and this "
-            "proposer has none; use draft_cutoff=0, draft_length=block"
-        )
-    if proposer == "tree" and source == "cost":
-        raise DFlashError(
-            "proposer=tree: draft_length=cost prices a chain verify, not a two-branch tree; use "
-            "draft_length=block or proposer=hybrid"
-        )
-    if proposer in ("hybrid", "tree") and "probability" not in offered:
-        raise DFlashError(
-            f"proposer={proposer}: {label} drafters give no per-draft probability to weigh against the copied "
-            f"continuation; use proposer=dflash"
-        )
-    needs = frozenset()
-    if proposer != "ngram":  # the length's, the hybrid choice's, and the confidence head's for the stats
-        needs = (
-            frozenset({source} - {None, "cost"})
-            | (frozenset({cost_source}) if source == "cost" else frozenset())
-            | (frozenset({"confidence"}) if "confidence" in offered else frozenset())
-            | (frozenset({"probability"}) if proposer in ("hybrid", "tree") else frozenset())
-        )
-    return Plan(source, cost_source, needs, source is not None or proposer != "dflash")
 
 
 @dataclass
@@ -96,13 +26,16 @@ class Proposal:
     copied: list[bool]  # per row: drafts copied from its own text (proposer=ngram / hybrid)
     probability: torch.Tensor | None = None  # [R, B-1] the drafter's per-draft probability (hybrid's record)
     drafter_ran: bool = True  # False: copies only, or plain steps (the drafter was skipped this round)
-    copies: list[list[int]] | None = None  # proposer=tree: per row the copy verified beside block ([]: none)
+    estimates: torch.Tensor | None = None  # [R, B-1] the drafter's acceptance estimate draft_length=cost weighs
+    survivals: list[list[float]] | None = None  # per row, its copies' P(drafts 1..j+1 accepted) (None: no copies)
+    tree: Tree | None = None  # a token tree to verify instead of the chain block (decoding/tree.py)
+    losers: dict[int, int] | None = None  # after a tree verify: greedy rows' losing branch's accepted drafts
 
 
 def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int, proposals=None) -> Proposal:
-    """proposer=ngram (and hybrid rounds without the drafter): every row verifies the continuation
-    copied from its own text (none: a plain decode step). last [R] the tokens that open the blocks;
-    reqs: the rows' requests (params, index); proposals: their NgramProposals when already made."""
+    """A round without the drafter: every row verifies the continuation copied from its own text (none, or
+    proposals=[]: a plain decode step). last [R] the tokens that open the blocks; reqs: the rows' requests
+    (params, index); proposals: their NgramProposals when already made ([]: no row copies)."""
     R, dev = len(reqs), last.device
     block = torch.full((R, B), mask_id, dtype=torch.long, device=dev)
     block[:, 0] = last
@@ -111,29 +44,38 @@ def copy_all(last: torch.Tensor, reqs, B: int, mask_id: int, vocab_size: int, pr
     n_draft = torch.zeros(R, dtype=torch.long, device=dev)
     copied = []
     for i, req in enumerate(reqs):
-        toks = (proposals[i] if proposals else req.index.propose(B - 1, hybrid.MIN_MATCH)).tokens
-        hybrid.place(block, q, n_draft, i, toks)
+        if proposals is not None:
+            toks = proposals[i].tokens if proposals else []
+        else:
+            toks = req.index.propose(B - 1, MIN_MATCH).tokens
+        place(block, q, n_draft, i, toks)
         copied.append(bool(toks))
     return Proposal(block, q, n_draft, None, copied, drafter_ran=False)
 
 
-def cut_by_cost(
-    prop: Proposal,
-    estimates: torch.Tensor | None,
-    survivals: list[list[float]] | None,
-    cost: VerifyCost,
-    draft_seconds: float,
-) -> Proposal:
+def cut_by_cost(prop: Proposal, estimates: torch.Tensor | None, cost: VerifyCost, draft_seconds: float) -> Proposal:
     """draft_length=cost: cut every row to the batch's best verify width (decoding/verify_cost.py).
     A row's survival is the running product of its drafts' acceptance estimates: the drafter's
     (estimates [R, B-1], None when it offers none) or, for a copied row, its copies' record
-    (survivals: per row, NgramRecord.survival(B-1); None when no row can copy)."""
+    (prop.survivals: per row, NgramRecord.survival(B-1))."""
     R, n = prop.block.shape[0], prop.block.shape[1] - 1
     dev = prop.block.device
     survival = torch.zeros(R, n, device=dev) if estimates is None else estimates.float().cumprod(dim=1)
     for r in range(R):
         if prop.copied[r]:
-            survival[r] = torch.tensor(survivals[r][:n], device=dev)
+            survival[r] = torch.tensor(prop.survivals[r][:n], device=dev)
     width = best_width(survival, prop.n_draft, cost, draft_seconds)
     prop.n_draft = prop.n_draft.clamp(max=width - 1)
     return prop
+
+
+def place(block: torch.Tensor, q: torch.Tensor | None, n_draft: torch.Tensor, r: int, toks: list[int]) -> None:
+    """Row r verifies the copied tokens `toks`: they become its drafts (block [R, B]), its q rows
+    point masses on them (q [R, B-1, V] or None) and its draft count their number (n_draft [R])."""
+    k = len(toks)
+    ids = torch.tensor(toks, dtype=block.dtype, device=block.device)
+    block[r, 1 : 1 + k] = ids
+    n_draft[r] = k
+    if q is not None:
+        q[r, :k] = 0
+        q[r, torch.arange(k, device=q.device), ids] = 1.0

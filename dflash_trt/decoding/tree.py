@@ -2,9 +2,10 @@
 (decoding/ngram.py), verified together in ONE target pass as a token tree; the longer accepted branch is
 kept, and only it stays in the target's KV cache.
 
-Boundary: the tree's layout (`build`), the branch choice after verification (`pick`), the round that
-ties them to the engine's verify / accept / rewind (`verify_round`). The engine runs a tree round when
-some row has a copy and the drafter ran; otherwise the round is a plain chain verify, as for hybrid. The
+Boundary: the tree's layout (`build`, called by the tree proposer, decoding/proposers/tree.py, which hands
+the engine a Proposal carrying the Tree), its verification and branch choice (`verify`, `pick`, called by
+the engine, which keeps the cache, the drafter's queue and the records' inputs). A round is a tree when some
+row has a copy and the drafter ran; otherwise it is a plain chain verify, as for hybrid. The
 tree-masked attention is modeling/target.py's `forward(tree=...)`, the slot compaction modeling/cache.py's
 `gather_slots`, the sampled rows' two-branch rule decoding/verify.py's `two_branch_accept`.
 
@@ -110,46 +111,59 @@ def pick(main: Verdict, copy: Verdict, has_copy: torch.Tensor) -> tuple[Verdict,
     return Verdict(torch.where(won, copy.accepted, main.accepted), torch.where(won, copy.bonus, main.bonus)), won
 
 
-def verify_round(engine, prop) -> Verdict:
-    """One tree round for the engine's batch: verify both branches in one target pass, keep the longer,
-    compact the target cache to it and queue its target features for the drafter. Rewrites prop's block,
-    n_draft and copied to the kept branch's (the engine records and emits them as for a chain)."""
-    tree = build(prop.block, prop.n_draft, prop.copies, engine.drafter.mask_token_id)
-    cache = engine.tcache
+@dataclass
+class TreeVerdict:
+    verdict: Verdict  # the kept branch's accepted drafts and bonus token [R]
+    taps: torch.Tensor  # [R, B, taps*d] target features along the kept branch
+    block: torch.Tensor  # [R, B] the kept branch as a chain (last token + its drafts)
+    n_draft: torch.Tensor  # [R] the kept branch's drafts
+    won: list[bool]  # per row: the copy's branch was kept
+    losers: dict[int, int]  # per greedy row with a copy: the losing branch's accepted drafts
+    judged: dict[int, int]  # per row with a copy: drafts judged over both branches (the shared prefix once)
+
+
+def verify(target, cache, tap_layers, accept_ops, rows, pens, tree: Tree, q) -> TreeVerdict:
+    """One tree round for a batch: verify both branches in one target pass, keep the longer and compact the
+    target cache (modeling/cache.py) to it. rows: per row (params, generator); pens: per row its logit
+    controls' state (decoding/penalties.py); q [R, B-1, V] the drafter's distributions or None. The caller
+    (the engine) queues the returned features for the drafter and records the kept branch."""
     start = cache.lengths.clone()  # [R] slot of node 0
-    out = engine.target.forward(tree.ids, cache, engine.tap_layers, tree=(tree.depth, tree.ancestors))
+    out = target.forward(tree.ids, cache, tap_layers, tree=(tree.depth, tree.ancestors))
     blocks = [along(tree.ids, tree.paths[:, b]) for b in range(2)]  # [R, B] each branch's chain
-    pens = [r.pen for r in engine.reqs]  # logit controls along each branch, as a chain verify applies them
+    # logit controls along each branch, as a chain verify applies them
     logits = [penalties.apply(along(out.logits, tree.paths[:, b]), blocks[b][:, 1:], pens) for b in range(2)]
-    verdict, won, losers = _accept(engine, tree, blocks, logits, prop.q)
+    verdict, won, losers = _accept(accept_ops, rows, tree, blocks, logits, q)
     path = torch.where(won[:, None], tree.paths[:, 1], tree.paths[:, 0])  # [R, B] the kept branch's nodes
     cache.gather_slots(start[:, None] + path, start)
     cache.crop(start + verdict.accepted + 1)
-    engine.pending, engine.pending_n, engine.last = along(out.taps, path), verdict.accepted + 1, verdict.bonus
-    _record(engine, tree, won, losers)
-    prop.block = torch.where(won[:, None], blocks[1], blocks[0])
-    prop.n_draft = torch.where(won, tree.n_draft[:, 1], tree.n_draft[:, 0])
-    prop.copied = [c or w for c, w in zip(prop.copied, won.tolist())]
-    return verdict
+    n = tree.n_draft.tolist()
+    return TreeVerdict(
+        verdict,
+        along(out.taps, path),
+        torch.where(won[:, None], blocks[1], blocks[0]),
+        torch.where(won, tree.n_draft[:, 1], tree.n_draft[:, 0]),
+        won.tolist(),
+        losers,
+        {r: n[r][0] + n[r][1] - tree.shared[r] for r in tree.copy_rows},
+    )
 
 
-def _accept(engine, tree: Tree, blocks, logits, q) -> tuple[Verdict, torch.Tensor, dict[int, int]]:
+def _accept(accept_ops, rows, tree: Tree, blocks, logits, q) -> tuple[Verdict, torch.Tensor, dict[int, int]]:
     """blocks: [R, B] per branch, logits [R, B, V] along each, q [R, B-1, V] or None -> the kept verdict, won
     [R] (the copy's branch kept) and, per greedy row with a copy, the losing branch's accepted drafts. Sampled
     rows with a copy: two_branch_accept (decoding/verify.py; they draw 2B-1 uniforms). The others: the
     drafter's chain as the engine judges one (accept_rows) and, for greedy rows, the copy's greedy verdict."""
     R, B, dev = blocks[0].shape[0], blocks[0].shape[1], blocks[0].device
-    rows = [(r.params, r.generator) for r in engine.reqs]
     walk = [r for r in tree.copy_rows if not rows[r][0].greedy]
     rest = torch.tensor([r for r in range(R) if r not in walk], dtype=torch.long, device=dev)
     accepted, bonus = torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
     if len(rest):
         sub_q = None if q is None else q[rest]
         sub = [rows[r] for r in rest.tolist()]
-        v = accept_rows(engine.accept_ops, blocks[0][rest], logits[0][rest], sub_q, tree.n_draft[rest, 0], sub, True, B)
+        v = accept_rows(accept_ops, blocks[0][rest], logits[0][rest], sub_q, tree.n_draft[rest, 0], sub, True, B)
         accepted[rest], bonus[rest] = v.accepted, v.bonus
     # the copy's branch as a greedy chain of its own length (accept_rows with q=None: drafts past it never match)
-    copy = accept_rows(engine.accept_ops, blocks[1], logits[1], None, tree.n_draft[:, 1], [], True, B)
+    copy = accept_rows(accept_ops, blocks[1], logits[1], None, tree.n_draft[:, 1], [], True, B)
     greedy_copy = torch.zeros(R, dtype=torch.bool, device=dev)
     greedy_copy[[r for r in tree.copy_rows if r not in walk]] = True
     verdict, won = pick(Verdict(accepted, bonus), copy, greedy_copy)
@@ -171,20 +185,3 @@ def _accept(engine, tree: Tree, blocks, logits, q) -> tuple[Verdict, torch.Tenso
         )
         verdict.accepted[r], verdict.bonus[r], won[r] = a, tok, kept_copy
     return verdict, won, losers
-
-
-def _record(engine, tree: Tree, won: torch.Tensor, losers: dict[int, int]) -> None:
-    """The tree rounds' counts, and for greedy rows the losing branch's accepted drafts (losers) for the
-    hybrid records (the engine records the kept one), so that the copy survival and the drafter's record
-    see every branch judged. A sampled row's losing branch has no verdict of its own (two_branch_accept
-    judges the two together), so only its kept branch is recorded."""
-    n, won = tree.n_draft.tolist(), won.tolist()
-    for r in tree.copy_rows:
-        req = engine.reqs[r]
-        req.stats.record_tree(n[r][0] + n[r][1] - tree.shared[r], won[r])
-        if r not in losers:
-            continue
-        if won[r]:
-            engine.record.add(losers[r], n[r][0], engine.draft_seconds)
-        else:
-            req.ngram.record_copy(n[r][1], losers[r])

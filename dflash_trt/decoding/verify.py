@@ -22,17 +22,12 @@ row's generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from dflash_trt import kernels
 from dflash_trt.config import SamplingParams
-
-
-@dataclass
-class Verdict:
-    accepted: torch.Tensor  # [R] int64, drafts kept per row (0..B-1)
-    bonus: torch.Tensor  # [R] int64, the target's extra token per row
+from dflash_trt.kernels.reference import Verdict
+from dflash_trt.modeling.fast_path import resolve
 
 
 def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
@@ -183,3 +178,38 @@ def _normalised(residual: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """residual [V] / its mass; p itself where the mass is 0 (that rejection had probability 0)."""
     mass = residual.sum()
     return residual / mass if float(mass) > 0 else p
+
+
+# ---- acceptance ---------------------------------------------------------------------------
+class TorchAccept:
+    """The reference: decoding/verify.py."""
+
+    name = "torch"
+
+    @staticmethod
+    def greedy(block: torch.Tensor, logits: torch.Tensor) -> Verdict:
+        return greedy_accept(block, logits.argmax(-1))
+
+    rejection = staticmethod(rejection_accept)
+
+
+class TritonAccept:
+    """kernels.greedy_accept on the target's argmax / kernels.rejection_accept. The kernel can
+    take the argmax itself from the logits, but one program per row scanning B x V logits is slower than
+    torch.argmax (docs/performance.md#gpu-kernel-check-nvidia-h200-2026-12-04), so the engine hands it ids."""
+
+    name = "triton"
+
+    def __init__(self):
+        self._greedy, self._rejection = kernels.greedy_accept, kernels.rejection_accept
+
+    def greedy(self, block: torch.Tensor, logits: torch.Tensor) -> Verdict:
+        return self._greedy(block, logits.argmax(-1))
+
+    def rejection(self, draft, p, q, u_accept, u_sample) -> Verdict:
+        return self._rejection(draft, p, q, u_accept, u_sample)
+
+
+def accept_ops(mode: str, device: torch.device | str):
+    """TorchAccept or TritonAccept for verification on `device` (mode as resolve())."""
+    return TritonAccept() if resolve(mode, device) == "triton" else TorchAccept()

@@ -1,7 +1,8 @@
 """Cost-aware draft length (draft_length="cost"): per round, verify the width that maximises expected
 emitted tokens per second, from the drafts' acceptance probabilities and this machine's verify cost.
 
-Boundary: the cost curve (measured once per engine) and the width choice, tensors in, an int out.
+Boundary: the cost curve (measured once per target and Session, decoding/session.py), the width
+choice (tensors in, an int out) and the pay gate (whether the drafter runs a round at all).
 Which probabilities feed it is the engine's choice (the confidence head where the drafter has one,
 else the drafter's own probability of each draft, r^j for copied drafts).
 
@@ -23,6 +24,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+# a drafter that has not been paying is still tried every 8th round, then every 16th, ... each time a try
+# shows it still not paying, up to every 64th (exponential back-off: every try costs a draft pass and a
+# wider verify, and off its training distribution a drafter rarely starts paying again)
+PROBE_EVERY, PROBE_EVERY_MAX = 8, 64
 
 
 @dataclass
@@ -68,16 +74,6 @@ class VerifyCost:
         return cls(grid, seconds)
 
 
-def for_target(target, max_tokens: int, tap_layers: list[int]) -> VerifyCost:
-    """The target's measured curve, measured once per target object and size: every engine built
-    over the same target (generate() builds one per call) reuses it."""
-    cache = target.__dict__.setdefault("_verify_costs", {})
-    key = (max_tokens, tuple(tap_layers))
-    if key not in cache:
-        cache[key] = VerifyCost.measure(target, max_tokens, tap_layers)
-    return cache[key]
-
-
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -102,3 +98,29 @@ def best_width(survival: torch.Tensor, caps: torch.Tensor, cost: VerifyCost, dra
     gain = torch.cat([survival.new_zeros(1), (survival.float() * live).sum(0).cumsum(0)]).tolist()  # [B]
     rates = [(R + gain[w - 1]) / (draft_seconds + cost(R * w)) for w in range(1, n + 2)]
     return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+
+class PayGate:
+    """Whether the drafter runs this round: yes while drafting has been paying for itself against plain
+    decode steps (drafter_pays over the drafter's record), else no, except for a probe every probe_every
+    skipped rounds (PROBE_EVERY, doubling while the probes keep showing it not paying, up to
+    PROBE_EVERY_MAX). Per engine: the skipped-round count is this engine's rounds."""
+
+    def __init__(self, cost: VerifyCost):
+        self.cost = cost
+        self.skipped = 0  # rounds the drafter has been skipped since its last try
+        self.probe_every = PROBE_EVERY  # skipped rounds before the next try
+
+    def skip(self, record, rows: int) -> bool:
+        """record: the drafter's (decoding/records.py DrafterRecord); rows: the batch's. Never before the
+        drafter's first round (a drafter nobody has tried is tried)."""
+        if not record.rounds:
+            return False
+        if drafter_pays(record.accepted, 1.0 + record.drafted, record.seconds, rows, self.cost):
+            self.skipped, self.probe_every = 0, PROBE_EVERY
+            return False
+        self.skipped += 1
+        if self.skipped < self.probe_every:
+            return True
+        self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_EVERY_MAX)  # probe this round
+        return False

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
-from dflash_trt.decoding.engine import PROPOSERS
+from dflash_trt.decoding.options import DEFAULT_PROPOSER
+from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.deploy.quantize import check_kv_cache, check_quant_target
 from dflash_trt.errors import ConfigError
 
@@ -71,9 +72,11 @@ class BuildConfig:
         0.0  # verify only the drafts the drafter is this sure of (0 = all; a CPU host gains from ~0.3)
     )
     draft_length: str = "block"  # what draft_cutoff gates: block (drafter probabilities) | confidence (DSpark head)
-    proposer: str = "dflash"  # where the served drafts come from: dflash (drafter) | ngram (copied text) | hybrid
+    proposer: str = DEFAULT_PROPOSER  # where the served drafts come from: decoding/options.py EngineOptions.proposer
     max_queue: int = 256  # served requests waiting for a free batch row; the next ones get "overloaded, retry later"
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
+    calib_seq_len: int = 512  # tokens per calibration prompt (longer ones are cut; at most max_seq_len)
+    awq: bool = False  # target_quant nvfp4: Model Optimizer's AWQ-lite (NVFP4_AWQ_LITE_CFG) instead of max calibration
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
     eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
     eval_source: str = "builtin"  # held-out prompts: builtin | humaneval | writingbench | FILE
@@ -100,6 +103,7 @@ class BuildConfig:
             "instance_count",
             "eval_max_new_tokens",
             "max_queue",
+            "calib_seq_len",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -114,6 +118,11 @@ class BuildConfig:
             raise ConfigError(
                 "calib_prompts=0: fp8 / nvfp4 need calibration prompts for their activation "
                 "scales; set calib_prompts >= 1 (e.g. 16)"
+            )
+        if self.awq and self.target_quant != "nvfp4":
+            raise ConfigError(
+                f"awq=true with target_quant={self.target_quant}: Model Optimizer's AWQ is for nvfp4 here; "
+                f"set target_quant: nvfp4 or awq: false"
             )
         if self.eval_source == self.calib_source:
             raise ConfigError(

@@ -71,7 +71,7 @@ def register(main: click.Group) -> None:
     def build(ctx, config_path, out, force, **fields):
         """Build target + drafter into engines and a Triton model repository.
 
-        Stages: check, quantize, engine, repo, emit, eval (see README, "Build").
+        Stages: check, quantize, engine, repo, emit, eval (see docs/deploy.md#build).
         Backends: torch (engine/ folders for dflash-trt's own engine + a Triton Python-backend model
         repository; CPU or CUDA, every drafter family) | trtllm-pytorch (model.yaml for TensorRT-LLM
         >= 1.3's PyTorch backend + a Triton llmapi model repository; GPU hosts). emit: vllm, sglang

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_trt.decoding.verify import Verdict
 from dflash_trt.kernels.launching import check_device, interpreting, next_pow2
+from dflash_trt.kernels.reference import Verdict
 
 
 @triton.jit

@@ -18,9 +18,20 @@ The accept kernels' references are dflash_trt.decoding.verify.greedy_accept / re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class Verdict:
+    """What verification returns (the accept kernels and decoding/verify.py alike); here, at the bottom of
+    the package graph, so that kernels/ need not import decoding/."""
+
+    accepted: torch.Tensor  # [R] int64, drafts kept per row (0..B-1)
+    bonus: torch.Tensor  # [R] int64, the target's extra token per row
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -7,12 +7,13 @@ launchers. The plain-PyTorch code in modeling/drafter.py and decoding/verify.py 
   kernels="torch"   the reference path everywhere.
   kernels="triton"  drafter context injection -> kernels.kv_inject (all layers, one launch),
                     drafter block attention     -> kernels.block_draft_attention,
-                    acceptance                  -> kernels.greedy_accept / rejection_accept.
+                    acceptance                  -> kernels.greedy_accept / rejection_accept
+                                                   (decoding/verify.py accept_ops picks them by resolve()).
                     Anything that cannot run raises DFlashError naming the reason.
   kernels="auto"    "triton" when kernels_available() and the model is on a CUDA device and the
                     drafter's shapes are supported; otherwise "torch" (never an error).
-  kernels="auto"    the default of generate(), SpecEngine and the CLI since scripts/gpu_check.sh
-                    passed on an H200 (2026-12-04; README "GPU kernel check"): unchanged on CPU.
+  kernels="auto"    the default of generate(), SpecEngine and the CLI since scripts/gpu_check.sh passed
+                    on a GPU (docs/performance.md#gpu-kernel-check-nvidia-h200-2026-12-04): unchanged on CPU.
 
 Layouts: kv_inject writes every layer in one launch, so the drafter cache of the Triton path is
 a StackedKVCache: one contiguous [L, R, H_kv, S_max, D] tensor per K and V whose per-layer
@@ -29,8 +30,6 @@ from __future__ import annotations
 import torch
 
 from dflash_trt import kernels
-from dflash_trt.decoding import verify
-from dflash_trt.decoding.verify import Verdict
 from dflash_trt.errors import DFlashError
 from dflash_trt.kernels import interpreting, triton_available
 from dflash_trt.modeling.cache import KVCache
@@ -197,38 +196,3 @@ def drafter_ops(drafter, mode: str):
         return None
     resolve("triton", device)  # raises with the reason when the kernels cannot run here
     return TritonDrafterOps(drafter)
-
-
-# ---- acceptance ---------------------------------------------------------------------------
-class TorchAccept:
-    """The reference: decoding/verify.py."""
-
-    name = "torch"
-
-    @staticmethod
-    def greedy(block: torch.Tensor, logits: torch.Tensor) -> Verdict:
-        return verify.greedy_accept(block, logits.argmax(-1))
-
-    rejection = staticmethod(verify.rejection_accept)
-
-
-class TritonAccept:
-    """kernels.greedy_accept on the target's argmax / kernels.rejection_accept. The kernel can
-    take the argmax itself from the logits, but one program per row scanning B x V logits ran at
-    0.11-0.41x of torch.argmax on an H200 (README "GPU kernel check"), so the engine hands it ids."""
-
-    name = "triton"
-
-    def __init__(self):
-        self._greedy, self._rejection = kernels.greedy_accept, kernels.rejection_accept
-
-    def greedy(self, block: torch.Tensor, logits: torch.Tensor) -> Verdict:
-        return self._greedy(block, logits.argmax(-1))
-
-    def rejection(self, draft, p, q, u_accept, u_sample) -> Verdict:
-        return self._rejection(draft, p, q, u_accept, u_sample)
-
-
-def accept_ops(mode: str, device: torch.device | str):
-    """TorchAccept or TritonAccept for verification on `device` (mode as resolve())."""
-    return TritonAccept() if resolve(mode, device) == "triton" else TorchAccept()

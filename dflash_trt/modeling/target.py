@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.decoding.stopping import model_stop_ids, tokenizer_stops
 from dflash_trt.errors import CheckpointError, DFlashError
 from dflash_trt.modeling.cache import KVCache
+from dflash_trt.modeling.stop_ids import model_stop_ids, tokenizer_stops
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 

@@ -20,13 +20,15 @@ def load_engine_factory(
     max_batch: int = 16,
     max_seq_len: int = 2048,
     dtype: str = "auto",
-    draft_cutoff: float = 0.0,
-    draft_length: str = "block",
-    proposer: str = "dflash",
+    draft_cutoff: float | None = None,
+    draft_length: str | None = None,
+    proposer: str | None = None,
 ) -> Callable[[], object]:
     """Load target + drafter once; return a factory of SpecEngines over them (a fresh one after a
     failure). Missing or mismatched folders raise DFlashError naming the file; a proposer the engine
-    refuses (decoding/engine.py) fails at the first engine (Orchestrator(factory))."""
+    refuses (decoding/engine.py) fails at the first engine (Orchestrator(factory)). draft_cutoff,
+    draft_length, proposer: EngineOptions fields (decoding/options.py; None: its default). The engines share
+    one Session (decoding/session.py), so that a fresh engine after a failure keeps what was learned."""
     if engine_backend != "torch":
         raise DFlashError(
             f"engine_backend={engine_backend!r}: only 'torch' is available in this build "
@@ -36,10 +38,15 @@ def load_engine_factory(
         raise DFlashError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: must be >= 1 and >= 2")
     # deferred: the Triton text models import this module (through triton_dflash) and must not load torch and the engine
     from dflash_trt.api import load_drafter, load_target
-    from dflash_trt.decoding.draft_length import check_cutoff, length_source
     from dflash_trt.decoding.engine import SpecEngine
+    from dflash_trt.decoding.options import EngineOptions
+    from dflash_trt.decoding.session import Session
 
-    length_source(draft_length, check_cutoff(draft_cutoff))
+    # cuda_graph off: under continuous batching the rows change almost every step and each change
+    # would recapture the graph (modeling/cuda_graph.py), costing more than replay saves
+    options = EngineOptions.of(
+        cuda_graph="off", draft_cutoff=draft_cutoff, draft_length=draft_length, proposer=proposer
+    )
 
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
     if not (target_dir / "config.json").is_file():
@@ -49,16 +56,6 @@ def load_engine_factory(
     # pipeline's loaders also read FP8/NVFP4 (Model Optimizer layout) folders, dequantised on load
     target = load_target(str(target_dir), dtype, progress=False)[0]
     drafter = load_drafter(target, str(drafter_dir)).eval()
-    # cuda_graph off: under continuous batching the rows change almost every step and each change
-    # would recapture the graph (modeling/cuda_graph.py), costing more than replay saves
     return functools.partial(
-        SpecEngine,
-        target,
-        drafter,
-        max_batch=max_batch,
-        max_seq_len=max_seq_len,
-        cuda_graph="off",
-        draft_cutoff=draft_cutoff,
-        draft_length=draft_length,
-        proposer=proposer,
+        SpecEngine, target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, options=options, session=Session()
     )

@@ -4,7 +4,7 @@ would change the output.
 
 Boundary: parsing only (numpy getters as in serving/protocol.py, no Triton). Names, types and
 shapes follow tensorrtllm_backend's all_models/inflight_batcher_llm/{ensemble,tensorrt_llm_bls}/
-config.pbtxt and docs/model_config.md (INT32 / FP32 / BOOL / STRING, dims [1], bad_words [-1]):
+config.pbtxt and its own model_config docs (INT32 / FP32 / BOOL / STRING, dims [1], bad_words [-1]):
 
   repetition_penalty, presence_penalty, frequency_penalty   -> SamplingParams (1.0 / 0 / 0 = off)
   min_tokens (docs) or min_length (the ensemble's name)      -> SamplingParams.min_tokens

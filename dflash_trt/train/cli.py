@@ -11,16 +11,14 @@ import click
 
 from dflash_trt.api import load_target, load_tokenizer, resolve_target_dir
 from dflash_trt.cli_shared import (
-    draft_length_option,
     dtype_device_options,
+    engine_options,
     friendly_errors,
     parse_floats,
     parse_ints,
-    proposer_option,
 )
 from dflash_trt.config import field_help, load_yaml_dataclass
-from dflash_trt.decoding.draft_length import DRAFT_LENGTHS
-from dflash_trt.decoding.proposal import PROPOSERS
+from dflash_trt.decoding.options import EngineOptions
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.train import distributed
 from dflash_trt.train.corpus import agreement, load_texts, score_corpus
@@ -258,8 +256,7 @@ def train_cmd(config_path, split_target, **overrides):
     help="Comma-separated draft cutoffs to run, e.g. 0,0.1: verify only the leading drafts whose "
     "running product of drafter probabilities is at least this (default 0: every draft).",
 )
-@draft_length_option(DRAFT_LENGTHS)
-@proposer_option(PROPOSERS)
+@engine_options(EngineOptions.cli_flags(), only=("draft_length", "proposer"))
 @click.option("--json-out", default=None, help="Also write the results as JSON here.")
 @friendly_errors
 def eval_cmd(

@@ -24,6 +24,8 @@ from dflash_trt.config import SamplingParams
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
 from dflash_trt.decoding.loop import generate, generate_baseline
+from dflash_trt.decoding.options import DEFAULT_PROPOSER, EngineOptions
+from dflash_trt.decoding.session import Session
 from dflash_trt.decoding.stats import DecodeStats
 from dflash_trt.errors import DFlashError
 from dflash_trt.train.prompts import load_prompts
@@ -42,7 +44,7 @@ def evaluate(
     device: str = "auto",
     draft_cutoffs: list[float] | None = None,
     draft_length: str = "block",
-    proposer: str = "dflash",
+    proposer: str = DEFAULT_PROPOSER,
 ) -> dict:
     """DFlash at each of `block_sizes` (default: the drafter's own) x `draft_cutoffs` (default 0: verify
     every draft; decoding/draft_length.py) against the baseline, per prompt interleaved. A drafter
@@ -75,6 +77,9 @@ def evaluate(
     tok = load_tokenizer(path)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tok))
     spec, base = {k: DecodeStats() for k in configs}, DecodeStats()
+    # per configuration, what the engine learns carries over the prompts (decoding/session.py)
+    options = {(b, c): EngineOptions(proposer, draft_length, c) for b, c in configs}
+    sessions = {k: Session() for k in configs}
     mismatches = 0
     if prompts:  # warm-up (discarded): the first timed run must not pay one-off allocation/dispatch costs
         ids = encode(tok, prompts[0], chat)[:48]
@@ -82,7 +87,7 @@ def evaluate(
         generate_baseline(tgt, [ids], short)
         for b, c in configs:
             set_block_size(drafter, b)
-            generate(tgt, drafter, [ids], short, draft_cutoff=c, draft_length=draft_length, proposer=proposer)
+            generate(tgt, drafter, [ids], short, options=options[b, c], session=sessions[b, c])
     with CpuWatch() as watch:
         for p in prompts:
             ids = encode(tok, p, chat)
@@ -90,7 +95,7 @@ def evaluate(
             base.merge(b_out.stats)
             for b, c in configs:
                 set_block_size(drafter, b)
-                a = generate(tgt, drafter, [ids], params, draft_cutoff=c, draft_length=draft_length, proposer=proposer)
+                a = generate(tgt, drafter, [ids], params, options=options[b, c], session=sessions[b, c])
                 mismatches += a.tokens != b_out.tokens
                 spec[b, c].merge(a.stats)
     if mismatches and inexact_greedy_note(tgt.dtype) is None:

@@ -10,7 +10,7 @@ every fc weight by about lr per step, so a weight reading a small-scale input ch
 feature 10-100x more slowly than one reading a large-scale input: the early layers, which carry
 token identity, are barely learned in a short run. Dividing each input dimension by its RMS gives
 all of them the same effective learning rate. On the 0.5B recipe this lowered the loss and raised
-held-out acceptance at equal steps (README, "Training recipe").
+held-out acceptance at equal steps (docs/training.md#qwen25-coder-recipe).
 """
 
 from __future__ import annotations

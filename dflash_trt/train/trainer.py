@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from dflash_trt import families
 from dflash_trt.api import load_target, native_bf16, resolve_device
-from dflash_trt.config import DrafterConfig
+from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.errors import ConfigError
 from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.train import distributed
@@ -101,8 +101,7 @@ class TrainConfig:
     dpace_alpha: float = 0.5  # loss=dpace: smoothing of the acceptance prefix product, in [0, 1]
 
     def __post_init__(self):
-        if self.block_size < 2:
-            raise ConfigError(f"block_size={self.block_size}: must be >= 2")
+        check_block_size(self.block_size)
         if self.max_seq_len <= self.block_size:
             raise ConfigError(f"block_size={self.block_size} must be smaller than max_seq_len={self.max_seq_len}")
         if self.features not in ("online", "offline"):
