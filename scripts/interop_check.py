@@ -95,9 +95,10 @@ def build_cases(root: Path, families=FAMILIES, quants=QUANTS) -> list[dict]:
         save_drafter(target, root / fam, arch, fields, vocab)
         dc = DrafterConfig.load(root / fam)
         for q in quants:
-            out, name = root / f"out-{fam}-{q}", f"{fam}-{q}"
+            name = f"{fam}-{q}"
             case = {"family": fam, "quant": q, "engines": {}}
-            for engine in ENGINES:
+            for engine in ENGINES:  # one build per engine: a refusal for one must not hide the other
+                out = root / f"out-{name}-{engine}"
                 cfg = {
                     "target": str(root / "target"),
                     "drafter": str(root / fam),
@@ -111,23 +112,22 @@ def build_cases(root: Path, families=FAMILIES, quants=QUANTS) -> list[dict]:
                     "kv_cache": "bf16" if q == "bf16" else "fp8",
                     **({"sm": "sm_100"} if q == "nvfp4" else {}),
                 }
-                (root / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-                r = CliRunner().invoke(
-                    main, ["build", "emit", "--config", str(root / f"{name}.yaml"), "--out", str(out)]
-                )
+                y = root / f"{name}-{engine}.yaml"
+                y.write_text(yaml.safe_dump(cfg))
+                r = CliRunner().invoke(main, ["build", "emit", "--config", str(y), "--out", str(out)])
                 if r.exit_code:
                     lines = [ln for ln in r.output.splitlines() if ln.strip()]
                     case["engines"][engine] = {"refused": lines[-1] if lines else f"exit {r.exit_code}"}
                     continue
                 tgt = out / "quantized" / "target" if q != "bf16" else root / "target"
-                reference(tgt, root / f"ref-{name}-target.safetensors")
+                reference(tgt, root / f"ref-{name}-{engine}-target.safetensors")
                 reference(out / "serve" / engine / "drafter", root / f"ref-{name}-{engine}.safetensors")
                 case["engines"][engine] = {
                     "job": {
                         "name": f"{name}-{engine}",
                         "engine": engine,
                         "script": str(out / "serve" / f"{engine}.sh"),
-                        "ref_target": str(root / f"ref-{name}-target.safetensors"),
+                        "ref_target": str(root / f"ref-{name}-{engine}-target.safetensors"),
                         "ref_drafter": str(root / f"ref-{name}-{engine}.safetensors"),
                     },
                     "expect": {
