@@ -164,7 +164,7 @@ def verdict(entry: dict, result: dict | None) -> str:
     if "refused" in entry:
         return f"refused-by-our-build ({entry['refused'].removeprefix('error: ')})"
     if result is None or "error" in result:
-        return f"wrong (engine code failed: {(result or {}).get('error', 'no result')})"
+        return f"wrong (the engine raised: {(result or {}).get('error', 'no result')})"
     problems, d, e = list(result["problems"]), result["derived"], entry["expect"]
     if "num_drafts" in d:  # vLLM
         if (d["method"], d["num_drafts"]) != (e["method"], e["num_drafts"]):

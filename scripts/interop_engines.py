@@ -198,6 +198,7 @@ def run_vllm(job: dict) -> dict:
             pass
 
     base_loader.process_weights_after_loading = record_then_process
+    interop_stubs.no_nvfp4_gemm_on_cpu()
     argv = script_argv(job["script"])
     assert argv[:2] == ["vllm", "serve"], argv[:2]
     args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", argv[2], *argv[3:]])

@@ -9,6 +9,9 @@ vllm / sglang. The list (each is GPU-only or an image library the loaders never 
   * `sgl_kernel` (the sglang-kernel CUDA wheel) and `torchvision` (imported by SGLang's multimodal
     configs, sglang/srt/configs/__init__.py): empty modules whose attributes are placeholders; they
     are installed after transformers has decided torchvision is absent, so transformers is unaffected;
+  * vLLM's NVFP4 GEMM kernel choice (model_executor/layers/quantization/modelopt.py:2422-2436, called
+    from create_weights at :2635): no NVFP4 GEMM exists on CPU, so it raises while the layer is built;
+    a kernel that refuses to run stands in (it is used only after loading, which this check stops before);
   * torch.accelerator.empty_cache: a no-op where no accelerator exists (vLLM's
     model_loader/base_loader.py:92-93 calls it between load_weights and post-processing).
 """
@@ -56,6 +59,32 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         module.__path__ = []
+
+
+class _NoGemm:
+    """Stands in for vLLM's NVFP4 GEMM kernel on CPU: declares nothing, runs nothing."""
+
+    supports_pre_processed_weights = False
+
+    def input_quant_key(self):
+        return None
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no NVFP4 GEMM on CPU (interop check stand-in): {name}")
+
+
+def no_nvfp4_gemm_on_cpu() -> None:
+    from vllm.model_executor.layers.quantization import modelopt
+
+    real = modelopt.init_nvfp4_linear_kernel
+
+    def init(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except ValueError:
+            return _NoGemm()
+
+    modelopt.init_nvfp4_linear_kernel = init
 
 
 def install() -> None:
