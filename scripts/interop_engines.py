@@ -221,10 +221,13 @@ def run_vllm(job: dict) -> dict:
         target = get_model(vllm_config=cfg)
         try:
             spec = init_speculator(cfg, torch.device("cpu"), None)
-            derived["speculator"] = type(spec).__name__
-            spec.load_draft_model(target, set())
         except Exception as e:  # noqa: BLE001  (the runner refusing the drafter IS a result)
             problems.append(f"V2 runner refuses the drafter: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            spec = None
+        if spec is not None:
+            derived["speculator"] = type(spec).__name__
+            spec.load_draft_model(target, set())
+        else:  # still check the tensors, through the loader that speculator would have called
             from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
             from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
