@@ -15,7 +15,7 @@ import torch
 from dflash_trt.config import DrafterConfig, SamplingParams
 from dflash_trt.decoding.loop import generate, generate_baseline
 from dflash_trt.decoding.stopping import model_stop_ids
-from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target
+from dflash_trt.deploy.simulate import is_quantized_dir, load_quantized_drafter, load_quantized_target, use_native_fp8
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.hub.models import resolve_model
@@ -132,6 +132,7 @@ def load_target(
     path = resolve_target_dir(name_or_dir, progress)
     if is_quantized_dir(path):  # FP8/NVFP4 (Model Optimizer layout): dequantise on load (simulation)
         target = load_quantized_target(path, torch_dtype).to(dev)
+        use_native_fp8(target, path)  # FP8 GEMMs on sm_89+ GPUs; elsewhere the dequantized weights stay
     else:
         target = TargetModel.from_pretrained(path, dtype=torch_dtype, device=dev)
     if packed:

@@ -48,7 +48,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     conftest_ok=$("$PY" -c "import sys; sys.path.insert(0, 'tests'); import conftest" 2>/dev/null && echo yes || echo no)
     extra=()
     [ "$conftest_ok" = no ] && extra=(--noconftest) && echo "note: tests/conftest.py cannot import here; running with --noconftest"
-    env "${gpu_env[@]}" timeout "${TEST_TIMEOUT:-900}" "$PY" -m pytest -q -p no:cacheprovider "${extra[@]}" tests/test_kernels.py \
+    env "${gpu_env[@]}" timeout "${TEST_TIMEOUT:-900}" "$PY" -m pytest -q -p no:cacheprovider "${extra[@]}" tests/test_kernels.py tests/test_lowp_linear.py \
         2>&1 | tee "$LOG/test_kernels_gpu.log" | tail -25
     rc=${PIPESTATUS[0]}
     echo "test_kernels.py on GPU: exit $rc"
@@ -63,5 +63,11 @@ dry=()
 timeout "${CHECK_TIMEOUT:-1200}" "$PY" scripts/gpu_check.py "${dry[@]}" ${OUT:+--json "$OUT/gpu_check.json"} 2>&1 | tee "$LOG/gpu_check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check.py: exit $rc"
+[ "$rc" -ne 0 ] && status=1
+
+echo "== 3. FP8 vs bf16 linears at Qwen3-8B layer shapes (scripts/gpu_fp8_step.py; sm_89+)"
+timeout "${CHECK_TIMEOUT:-1200}" "$PY" scripts/gpu_fp8_step.py "${dry[@]}" ${OUT:+--json "$OUT/gpu_fp8_step.json"} 2>&1 | tee "$LOG/gpu_fp8_step.log"
+rc=${PIPESTATUS[0]}
+echo "gpu_fp8_step.py: exit $rc"
 [ "$rc" -ne 0 ] && status=1
 exit $status

@@ -191,7 +191,7 @@ def test_dspark_build_writes_dspark_decoding_config(pair, tmp_path):
     [
         ("dflash2", "TensorRT-LLM has no DFlash 2 drafter"),
         ("domino", "TensorRT-LLM has no Domino drafter"),
-        ("dspark-gated", "vanilla Markov head only, this drafter has markov_head_type=gated"),
+        ("dspark-gated", "only the vanilla DSpark Markov head (this drafter's markov_head_type=gated)"),
         ("dspark-fill-in", "sample_from_anchor: false"),
     ],
 )
@@ -245,7 +245,7 @@ def test_fp8_build_points_at_the_quantized_target_and_keeps_the_bf16_drafter(pai
     assert (out / "engine" / "drafter" / "model.safetensors").read_bytes() == (
         pair / "dflash" / "model.safetensors"
     ).read_bytes()
-    assert "drafter_quant=fp8 not used" in log and "gets the bf16 drafter" in log
+    assert "engine: drafter bf16 copy, not fp8: TensorRT-LLM" in log
 
 
 # ---- parallelism, KV cache, CUDA graphs, attention --------------------------------------------------------

@@ -74,6 +74,8 @@ class BuildConfig:
     proposer: str = "dflash"  # where the served drafts come from: dflash (drafter) | ngram (copied text) | hybrid
     max_queue: int = 256  # served requests waiting for a free batch row; the next ones get "overloaded, retry later"
     calib_prompts: int = 16  # calibration prompts for activation scales (fp8 / nvfp4)
+    calib_seq_len: int = 512  # tokens per calibration prompt (longer ones are cut; at most max_seq_len)
+    awq: bool = False  # target_quant nvfp4: Model Optimizer's AWQ-lite (NVFP4_AWQ_LITE_CFG) instead of max calibration
     calib_source: str = "stdlib"  # calibration prompts: stdlib | FILE.txt | FILE.jsonl
     eval_prompts: int = 8  # held-out prompts for the quantized-vs-bf16 report (0 disables)
     eval_source: str = "builtin"  # held-out prompts: builtin | humaneval | writingbench | FILE
@@ -100,6 +102,7 @@ class BuildConfig:
             "instance_count",
             "eval_max_new_tokens",
             "max_queue",
+            "calib_seq_len",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -114,6 +117,11 @@ class BuildConfig:
             raise ConfigError(
                 "calib_prompts=0: fp8 / nvfp4 need calibration prompts for their activation "
                 "scales; set calib_prompts >= 1 (e.g. 16)"
+            )
+        if self.awq and self.target_quant != "nvfp4":
+            raise ConfigError(
+                f"awq=true with target_quant={self.target_quant}: Model Optimizer's AWQ is for nvfp4 here; "
+                f"set target_quant: nvfp4 or awq: false"
             )
         if self.eval_source == self.calib_source:
             raise ConfigError(

@@ -18,8 +18,10 @@ from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.emit import check_emit
 from dflash_trt.deploy.quantize import quantizable_modules
 from dflash_trt.deploy.trtllm import check_expert_parallel, check_trtllm
-from dflash_trt.errors import CheckpointError, ConfigError, DFlashError, IncompatibleModelsError
+from dflash_trt.errors import CheckpointError, ConfigError, DFlashError
+from dflash_trt.families.capabilities import refusal
 from dflash_trt.hub.drafters import bundled_drafters
+from dflash_trt.modeling.drafter import check_fit
 from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -120,32 +122,16 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
     except (ConfigError, CheckpointError) as e:  # e.g. block_size < 2, mask_token_id outside the vocab
         raise ConfigError(f"drafter {dirs['drafter']}/config.json: {e}") from None
     L = tc.num_hidden_layers
-    for field, mine, theirs in (
-        ("hidden_size", dc.hidden_size, tc.hidden_size),
-        ("vocab_size", dc.vocab_size, tc.vocab_size),
-        ("num_target_layers", dc.num_target_layers, L),
-    ):
-        if mine != theirs:
-            raise IncompatibleModelsError(
-                f"drafter {field}={mine} but the target has {field}={theirs}: this drafter "
-                f"was made for another target (train one with `dflash-trt train`)"
-            )
-    bad = [i for i in dc.target_layer_ids if not 0 <= i < L]
-    if bad:
-        raise IncompatibleModelsError(
-            f"drafter dflash_config.target_layer_ids {bad}: must be < the target's {L} layers"
-        )
-    if not 0 <= dc.mask_token_id < tc.vocab_size:
-        raise IncompatibleModelsError(
-            f"drafter dflash_config.mask_token_id={dc.mask_token_id}: outside the target "
-            f"vocabulary 0..{tc.vocab_size - 1}"
-        )
+    check_fit(dc, tc.hidden_size, tc.vocab_size, L)  # the one fit rule (modeling/drafter.py)
     if dc.block_size < 2:
         raise ConfigError(f"drafter block_size={dc.block_size}: must be >= 2")
     try:  # the engine's own rules (decoding/proposal.py plan), here before anything is built or served
         plan(cfg.draft_length, cfg.draft_cutoff, cfg.proposer, dc.family.LABEL, dc.family.lengths(dc))
     except DFlashError as e:
         raise ConfigError(str(e)) from None
+    why = refusal(dc.family, "torch", dc.family_fields, cfg.drafter_quant)  # families/*.py CAPS
+    if cfg.backend == "torch" and why:  # trtllm-pytorch: check_trtllm reads the same declaration
+        raise ConfigError(f"backend=torch: {why}")
     check_emit(cfg, dc)  # emit: [vllm, sglang] that cannot serve this drafter is refused before any stage runs
     if cfg.backend == "trtllm-pytorch":  # drafters / layouts TensorRT-LLM cannot run, before any stage runs
         check_trtllm(cfg, tc, dc)

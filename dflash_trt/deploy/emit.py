@@ -23,6 +23,7 @@ import shlex
 from dflash_trt.config import DrafterConfig
 from dflash_trt.deploy.emit_layout import write_serving_drafter
 from dflash_trt.errors import ConfigError
+from dflash_trt.families.capabilities import caps_of, drafter_copy, engine_of, refusal
 
 # vLLM detects Model Optimizer checkpoints as these (layers/quantization/modelopt.py:453-459, 776-782);
 # an explicit --quantization must equal the detected name (config/model.py:1448-1456)
@@ -34,38 +35,19 @@ SGLANG_KV = {"fp8": "fp8_e4m3"}  # arg_groups/fields/model.py:197-215 --kv-cache
 
 
 def _refusal(cfg, dc: DrafterConfig, engine: str) -> str | None:
-    """Why `engine` cannot serve this drafter with this build config (None: it can)."""
-    fam, f = dc.family.NAME, dc.family_fields
-    if engine == "vllm":
-        if fam == "domino":  # no Domino model or speculator in vLLM 0.33 (models/registry.py:654-680)
-            return "vLLM 0.33 has no Domino drafter; emit sglang instead, or serve it with backend: torch"
-        if fam == "dspark" and f["markov_head_type"] != "vanilla":
-            # DSparkMarkovHead is W2 W1[prev] only (models/qwen3_dspark.py:61-80)
-            return (
-                f"vLLM 0.33 implements only the vanilla DSpark Markov head (this drafter's markov_head_type="
-                f"{f['markov_head_type']}); emit sglang instead, or serve it with backend: torch"
-            )
-        if cfg.ep_size > 1 and cfg.ep_size != cfg.tp_size:
-            # --enable-expert-parallel spreads the MoE experts over the tp ranks (config/parallel.py:190-191)
-            return (
-                f"ep_size={cfg.ep_size}: vLLM's expert parallelism spans the tp_size={cfg.tp_size} ranks; "
-                f"set ep_size to 1 or {cfg.tp_size}"
-            )
-    else:
-        if cfg.pp_size > 1:  # arg_groups/speculative_hook.py:319-322 (DFLASH), 713-718 (DSPARK)
-            return (
-                f"pp_size={cfg.pp_size}: SGLang 0.5.23 serves DFlash / DSpark drafters with pp_size 1 only; use tp_size"
-            )
-        if fam == "domino" and f["pure_draft_prefix_len"] != 1:  # speculative/dflash_utils.py:779-783
-            return (
-                f"SGLang 0.5.23 runs Domino drafters with pure_draft_prefix_len=1 only (this one has "
-                f"{f['pure_draft_prefix_len']}); train with pure_draft_prefix_len: 1, or serve it with backend: torch"
-            )
-        if fam == "domino" and cfg.drafter_quant != "bf16":  # speculative/domino_utils.py:293-307
-            return "SGLang's Domino needs BF16 drafter weights; set drafter_quant: bf16"
-    if fam == "dspark" and not f["markov_rank"]:
-        # vLLM reads config.markov_rank with no default (qwen3_dspark.py:209-212); SGLang raises (dspark.py:385-391)
-        return "a DSpark drafter with markov_rank=0 has no Markov head, which vLLM and SGLang require"
+    """Why `engine` cannot serve this drafter with this build config (None: it can): the family's own
+    declaration (families/*.py CAPS) first, then the engines' parallel-layout rules."""
+    why = refusal(dc.family, engine, dc.family_fields, cfg.drafter_quant)
+    if why:
+        return why
+    if engine == "vllm" and cfg.ep_size > 1 and cfg.ep_size != cfg.tp_size:
+        # --enable-expert-parallel spreads the MoE experts over the tp ranks (config/parallel.py:190-191)
+        return (
+            f"ep_size={cfg.ep_size}: vLLM's expert parallelism spans the tp_size={cfg.tp_size} ranks; "
+            f"set ep_size to 1 or {cfg.tp_size}"
+        )
+    if engine == "sglang" and cfg.pp_size > 1:  # arg_groups/speculative_hook.py:319-322 (DFLASH), 713-718 (DSPARK)
+        return f"pp_size={cfg.pp_size}: SGLang 0.5.23 serves DFlash / DSpark drafters with pp_size 1 only; use tp_size"
     return None
 
 
@@ -78,15 +60,10 @@ def check_emit(cfg, dc: DrafterConfig) -> None:
 
 
 def num_drafts(dc: DrafterConfig) -> int:
-    """Draft tokens per step in both engines: B-1 for DFlash / DFlash 2 / Domino (the block is the
-    last verified token plus B-1 masks: vLLM qwen3_dflash2.py:256, SGLang speculative_hook.py:368-386);
-    DSpark with sample_from_anchor drafts from all B positions (vLLM dspark/speculator.py:46-55, default
-    num_speculative_tokens = block_size at config/speculative.py:1591-1599; SGLang gamma = block_size,
-    speculative/dspark_components/dspark_config.py:295-297), B-1 in fill-in mode."""
-    B = dc.block_size
-    if dc.family.NAME == "dspark":
-        return B if dc.family_fields["sample_from_anchor"] else B - 1
-    return B - 1
+    """Draft tokens per step in vLLM, SGLang and TensorRT-LLM, as the family declares (CAPS.drafts): B-1
+    for a block of the last verified token plus B-1 masks (vLLM qwen3_dflash2.py:256, SGLang
+    speculative_hook.py:368-386); DSpark with sample_from_anchor drafts from all B positions."""
+    return caps_of(dc.family).drafts(dc)
 
 
 def _q(v) -> str:
@@ -95,11 +72,11 @@ def _q(v) -> str:
 
 def vllm_command(cfg, dc: DrafterConfig, target, drafter, tokenizer) -> list[str]:
     n = num_drafts(dc)
-    spec = {"method": "dspark" if dc.family.NAME == "dspark" else "dflash", "model": str(drafter)}
-    spec["num_speculative_tokens"] = n
-    if cfg.drafter_quant != "bf16":  # the draft's own quantization (config/speculative.py:435-438)
+    method = engine_of(dc.family, "vllm").layout
+    spec = {"method": method, "model": str(drafter), "num_speculative_tokens": n}
+    if drafter_copy(dc.family, "vllm", cfg.drafter_quant) == "quantized":  # config/speculative.py:435-438
         spec["quantization"] = VLLM_QUANT[cfg.drafter_quant]
-    if dc.family.NAME == "dspark" and cfg.draft_length == "confidence":
+    if method == "dspark" and cfg.draft_length == "confidence":
         spec["enable_adaptive_verification"] = True  # the confidence head sizes the verify budget (:585-587)
     cmd = [
         f"vllm serve {_q(target)}",  # flags: engine/arg_utils.py
@@ -128,16 +105,16 @@ def vllm_command(cfg, dc: DrafterConfig, target, drafter, tokenizer) -> list[str
 
 
 def sglang_command(cfg, dc: DrafterConfig, target, drafter, tokenizer) -> list[str]:
-    dspark = dc.family.NAME == "dspark"
+    algo = engine_of(dc.family, "sglang").layout  # DFLASH | DSPARK (speculative/spec_info.py:32-47)
     cmd = [
         f"python -m sglang.launch_server --model-path {_q(target)}",  # flags: arg_groups/fields/*.py
         f"--tokenizer-path {_q(tokenizer)}",
-        f"--speculative-algorithm {'DSPARK' if dspark else 'DFLASH'}",  # speculative/spec_info.py:32-47
+        f"--speculative-algorithm {algo}",
         f"--speculative-draft-model-path {_q(drafter)}",
         # DFLASH: the verify window B; DSPARK: gamma, the drafts (arg_groups/fields/spec.py:70-81)
         (
             f"--speculative-dspark-block-size {num_drafts(dc)}"
-            if dspark
+            if algo == "DSPARK"
             else f"--speculative-dflash-block-size {dc.block_size}"
         ),
         f"--tp-size {cfg.tp_size}",
@@ -150,7 +127,7 @@ def sglang_command(cfg, dc: DrafterConfig, target, drafter, tokenizer) -> list[s
         cmd.append(f"--dtype {cfg.dtype}")
     if cfg.target_quant != "bf16":
         cmd.append(f"--quantization {SGLANG_QUANT[cfg.target_quant]}")
-    if cfg.drafter_quant != "bf16":
+    if drafter_copy(dc.family, "sglang", cfg.drafter_quant) == "quantized":
         cmd.append(f"--speculative-draft-model-quantization {SGLANG_QUANT[cfg.drafter_quant]}")
     elif cfg.target_quant != "bf16":
         # the draft inherits --quantization unless told otherwise (arg_groups/serving_hook.py:676-708)
@@ -165,26 +142,47 @@ def sglang_command(cfg, dc: DrafterConfig, target, drafter, tokenizer) -> list[s
 COMMANDS = {"vllm": vllm_command, "sglang": sglang_command}
 
 
+def drafter_note(dc: DrafterConfig, engine: str, drafter_quant: str) -> tuple[str, str]:
+    """(copy, one line for the build table) for the drafter an engine is given: copy is "quantized",
+    "bf16" (a quantized build whose engine loader would misread the quantized drafter) or "bf16-only";
+    the line also says when the engine drops the drafter's draft vocabulary."""
+    copy = drafter_copy(dc.family, engine, drafter_quant)
+    sup = engine_of(dc.family, engine)
+    line = {
+        "quantized": f"drafter {drafter_quant} (the quantized checkpoint)",
+        "bf16": f"drafter bf16 copy, not {drafter_quant}: {engine}'s {dc.family.LABEL} loader misreads "
+        f"quantized drafters ({sup.source})",
+        "bf16-only": "drafter bf16",
+    }[copy]
+    if dc.draft_vocab_size is not None and not sup.draft_vocab:
+        line += f"; draft vocabulary ({dc.draft_vocab_size} tokens) dropped: {engine} drafts over the full vocabulary"
+    return copy, line
+
+
 def emit_commands(ctx) -> dict:
     """serve/<engine>/drafter/ (the engine's layout) and serve/<engine>.sh (the command serving the
-    target with it) for each engine in cfg.emit; paths inside the scripts point into the final out dir."""
+    target with it) for each engine in cfg.emit; paths inside the scripts point into the final out dir.
+    The drafter copy starts from the quantized drafter only where the engine's loader reads it (the
+    family's CAPS), from the bf16 input drafter elsewhere."""
     cfg = ctx.cfg
-    src = ctx.model_dir("drafter")
-    dc = DrafterConfig.load(src)
+    dc = DrafterConfig.load(ctx.dirs["drafter"])
     target, tok = ctx.model_dir("target", final=True), ctx.dirs["tokenizer"]
     written = {}
     for name in cfg.emit:
+        copy, note = drafter_note(dc, name, cfg.drafter_quant)
+        src = ctx.model_dir("drafter") if copy == "quantized" else ctx.dirs["drafter"]
         layout = write_serving_drafter(src, ctx.work / "serve" / name / "drafter", name, ctx.dirs["target"])
         cmd = COMMANDS[name](cfg, dc, target, ctx.final / "serve" / name / "drafter", tok)
         text = " \\\n  ".join(cmd)
         f = ctx.work / "serve" / f"{name}.sh"
         f.write_text(
             f"#!/usr/bin/env bash\n# {name} serving of this {dc.family.LABEL} pair (written by dflash-trt build);\n"
-            f"# serve/{name}/drafter is the drafter in the layout {name} loads\nset -euo pipefail\nexec {text}\n"
+            f"# serve/{name}/drafter is the drafter in the layout {name} loads ({note})\n"
+            f"set -euo pipefail\nexec {text}\n"
         )
         f.chmod(0o755)
-        written[name] = {"command": text, "drafter": f"serve/{name}/drafter", **layout}
+        written[name] = {"command": text, "drafter": f"serve/{name}/drafter", "drafter_copy": copy, **layout}
         dropped = f", dropped {', '.join(layout['dropped'])}" if layout["dropped"] else ""
         added = f", added {', '.join(layout['added'])}" if layout["added"] else ""
-        ctx.echo(f"emit: serve/{name}.sh + serve/{name}/drafter ({dc.family.LABEL}{dropped}{added})")
+        ctx.echo(f"emit: serve/{name}.sh + serve/{name}/drafter ({dc.family.LABEL}{dropped}{added}); {note}")
     return {"commands": written}

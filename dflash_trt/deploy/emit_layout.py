@@ -11,17 +11,19 @@ DSpark head fields at the top level of config.json. What each engine gets (sourc
   config.json   the drafter's config as dflash-trt normalises it (defaults filled in: SGLang defaults
                 confidence_head_with_markov to markov_rank > 0, models/dspark.py:497, so it is always
                 written), plus
-                * DSpark: markov_rank, markov_head_type, enable_confidence_head,
-                  confidence_head_with_markov and sample_from_anchor also top-level (vLLM
+                * the family's CAPS.top_level fields also top-level (DSpark: markov_rank, markov_head_type,
+                  enable_confidence_head, confidence_head_with_markov and sample_from_anchor: vLLM
                   models/qwen3_dspark.py:209-224, v1/worker/gpu/spec_decode/dspark/speculator.py:49-51;
                   SGLang models/dspark.py:385-405, 487-507);
-                * Domino on SGLang: architectures [DFlashDraftModel], dflash_config.projector_type
+                * an engine that runs the family under another class (CAPS EngineSupport.architecture;
+                  Domino on SGLang): architectures [DFlashDraftModel], dflash_config.projector_type
                   "domino" (SGLang has no DominoDraftModel class: speculative/dflash_utils.py:727-790);
                 * a draft vocabulary: vLLM `draft_vocab_size` top-level (models/qwen3_dflash.py:745-775),
                   SGLang none (it has no draft vocabulary; the drafter drafts over the whole vocabulary
                   through the target's LM head, as dflash-trt's portable checkpoints do);
-                * a quantized drafter keeps `quantization_config` (both engines detect Model Optimizer
-                  checkpoints from it: vLLM config/model.py:1383-1460, SGLang configs/model_config.py:2000+).
+                * a quantized drafter keeps `quantization_config` (vLLM detects Model Optimizer checkpoints
+                  from it: config/model.py:1383-1460); deploy/emit.py hands an engine the quantized drafter
+                  only where the family's CAPS says its loader reads one (SGLang never: the bf16 copy).
   tensors       the family's published names (families/*.save_keys; DSpark's legacy `logit_head.` nesting
                 removed: neither engine maps it), without `draft_vocab`; for vLLM a draft vocabulary
                 becomes EAGLE-3's representation: `lm_head.weight` = the target LM head's rows of those
@@ -42,15 +44,9 @@ from safetensors.torch import save_file
 from dflash_trt.config import DrafterConfig
 from dflash_trt.deploy.files import link_or_copy, read_state
 from dflash_trt.errors import CheckpointError
+from dflash_trt.families.capabilities import caps_of, engine_of
 
 ENGINES = ("vllm", "sglang")
-DSPARK_TOP_LEVEL = (
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-    "sample_from_anchor",
-)
 DROPPED = ("draft_vocab",)  # dflash-trt's own tensors; written back in the engine's form where it has one
 QUANT_FILE = "hf_quant_config.json"
 
@@ -62,12 +58,12 @@ def serving_config(src: Path, dc: DrafterConfig, engine: str) -> dict:
     if "quantization_config" in raw:
         out["quantization_config"] = raw["quantization_config"]
     fam, fields = dc.family, dc.family_fields
-    if fam.NAME == "dspark":
-        out.update({k: fields[k] for k in DSPARK_TOP_LEVEL})
-    if fam.NAME == "domino" and engine == "sglang":
-        out["architectures"] = ["DFlashDraftModel"]
+    out.update({k: fields[k] for k in caps_of(fam).top_level})
+    arch = engine_of(fam, engine).architecture
+    if arch is not None:  # the engine runs the family under another class, told apart by projector_type
+        out["architectures"] = [arch]
         out["dflash_config"]["projector_type"] = fam.PROJECTOR_TYPE
-    if dc.draft_vocab_size is not None and engine == "vllm":
+    if dc.draft_vocab_size is not None and engine_of(fam, engine).draft_vocab:
         out["draft_vocab_size"] = dc.draft_vocab_size
     return out
 
@@ -95,7 +91,7 @@ def serving_state(
     state = fam.save_keys(fam.load_keys(weights))
     vocab = state.get("draft_vocab")
     state = {k: v.contiguous() for k, v in state.items() if k not in DROPPED}
-    if vocab is not None and engine == "vllm":
+    if vocab is not None and engine_of(dc.family, engine).draft_vocab:
         ids = vocab.to(torch.int64)
         state["lm_head.weight"] = target_head_rows(target, ids)
         state["d2t"] = ids - torch.arange(len(ids), dtype=torch.int64)  # vLLM: target id = draft id + d2t

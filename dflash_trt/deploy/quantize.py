@@ -1,10 +1,18 @@
-"""Quantise a model's state dict to NVIDIA Model Optimizer's HF export layout, and back.
+"""Quantise a drafter's state dict to NVIDIA Model Optimizer's HF export layout, and any such checkpoint back.
+
+What is ours and why (the target's quantized checkpoint is Model Optimizer's own export, made by
+deploy/modelopt_target.py): (1) the drafter -- modelopt's export_hf_checkpoint takes transformers models, and
+the drafter's calibration needs the pair running real DFlash decoding, so its FP8 / NVFP4 weights, input
+scales and K/V scales are written here in modelopt's layout (tests/test_quantize.py checks our formats against
+modelopt's QTensors bit for bit, test_kv_scales.py the K/V scales against its postprocess_state_dict);
+(2) reading a modelopt checkpoint back for dflash-trt's torch engine (dequantize_state_dict: CPU simulation;
+modeling/lowp_linear.py runs FP8 natively on sm_89+ GPUs); (3) the GPU-generation checks of a build.
 
 Boundary: state-dict level. Decides which tensors are quantised (the Linear weights of decoder
 layers: q/k/v/o_proj, gate/up/down_proj, and the DFlash drafter's `fc`; norms, embeddings and
 lm_head stay in high precision), computes scales with the number formats of formats.py, writes the
 modelopt tensor names and hf_quant_config.json content, and dequantises for the CPU simulation
-path. Also: activation and K/V amax calibration hooks and the GPU-generation checks. File I/O in
+path. Also: the drafter's activation and K/V amax calibration hooks and the GPU-generation checks. File I/O in
 hf_checkpoint.py, which builds on this module.
 
 Layout per quantised linear `<m>` (modelopt unified HF export):
@@ -47,7 +55,6 @@ _QUANTIZABLE = re.compile(
 )
 _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 _ATTENTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn$")  # layers whose K/V go to the KV cache
-_KV_ATTN = "dflash_trt_kv_calibration"  # transformers attention implementation used while calibrating
 
 
 def algo_of(fmt: str | None) -> str | None:
@@ -244,6 +251,21 @@ def kv_scales(attentions: Iterable[str], kv_amax: Mapping[str, tuple[float, floa
     return out
 
 
+def unquantized_modules(qstate: Mapping[str, torch.Tensor]) -> list[str]:
+    """exclude_modules of a quantized drafter: lm_head (an engine may add the shared head's rows to the serving
+    copy) and every module holding a matrix that was not quantized (Markov / confidence heads, GRU,
+    convolution kernels, selector, embeddings). vLLM builds every linear it has a quant_config for as a
+    quantized layer unless exclude_modules names it (layers/quantization/modelopt.py is_layer_excluded), so a
+    bf16 linear missing here loads as garbage."""
+    done = set(quantized_modules(qstate))
+    out = {"lm_head"}
+    for k, v in qstate.items():
+        module = k.rpartition(".")[0]
+        if v.dim() >= 2 and module and module not in done:
+            out.add(module)
+    return sorted(out)
+
+
 def quantized_modules(qstate: Mapping[str, torch.Tensor]) -> list[str]:
     """Modules of a quantised state dict (those with a `<m>.weight_scale`)."""
     return [k[: -len(".weight_scale")] for k in qstate if k.endswith(".weight_scale")]
@@ -279,50 +301,23 @@ def dequantize_state_dict(
     return out
 
 
-def _recording_sdpa(module, query, key, value, *args, **kwargs):
-    """transformers attention function while calibrating: hands the layer's K [R, H_kv, S, D] (after
-    k_norm and RoPE) and V to its recorder, as modelopt's k/v_bmm_quantizer see them
-    (torch/quantization/plugins/huggingface.py _QuantAttention), then runs SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    record = getattr(module, "_dflash_kv_record", None)
-    if record is not None:
-        record(key, value)
-    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-
-
 def _record_kv(model: nn.Module, record: Callable[[str, torch.Tensor, torch.Tensor], None]) -> list[Callable]:
-    """Route the K/V of every attention layer of `model` to record(name, k, v); returns the undo steps.
-    The dflash_trt drafter: its `kv` method is wrapped (both context injection and the drafted block
-    go through it). A transformers model: its layers run under an attention implementation that
-    records, then does SDPA (the sdpa mask is registered with it, so the masking is SDPA's)."""
-    undo, configs = [], {}
+    """Route the K/V of every attention layer of the dflash_trt drafter to record(name, k, v): its `kv`
+    method is wrapped (context injection and the drafted block both go through it); returns the undo
+    steps. A transformers target's K/V scales are Model Optimizer's (deploy/modelopt_target.py)."""
+    undo = []
     for name, mod in model.named_modules():
-        if not _ATTENTION.match(name):
+        if not _ATTENTION.match(name) or not callable(getattr(mod, "kv", None)):
             continue
         rec = functools.partial(record, name)
-        if callable(getattr(mod, "kv", None)):
 
-            def kv(*a, _kv=mod.kv, _rec=rec, **kw):
-                k, v = _kv(*a, **kw)
-                _rec(k, v)
-                return k, v
+        def kv(*a, _kv=mod.kv, _rec=rec, **kw):
+            k, v = _kv(*a, **kw)
+            _rec(k, v)
+            return k, v
 
-            mod.kv = kv  # an instance attribute shadows the method until deleted
-            undo.append(functools.partial(delattr, mod, "kv"))
-        elif hasattr(getattr(mod, "config", None), "_attn_implementation"):
-            mod._dflash_kv_record = rec
-            undo.append(functools.partial(delattr, mod, "_dflash_kv_record"))
-            configs[id(mod.config)] = mod.config
-    if configs:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-        from transformers.modeling_utils import AttentionInterface
-
-        AttentionInterface.register(_KV_ATTN, _recording_sdpa)
-        AttentionMaskInterface.register(_KV_ATTN, sdpa_mask)
-        for cfg in configs.values():
-            undo.append(functools.partial(setattr, cfg, "_attn_implementation", cfg._attn_implementation))
-            cfg._attn_implementation = _KV_ATTN
+        mod.kv = kv  # an instance attribute shadows the method until deleted
+        undo.append(functools.partial(delattr, mod, "kv"))
     return undo
 
 
@@ -370,8 +365,8 @@ def calibrate_amax(
             undo += _record_kv(model, record_kv)
             if len(undo) == len(hooks):
                 raise ConfigError(
-                    "calibration: kv=True but the model has no attention layers named like "
-                    "model.layers.0.self_attn; calibrate without kv"
+                    "calibration: kv=True but the model has no drafter attention layers (layers.<i>.self_attn "
+                    "with a kv method); calibrate without kv"
                 )
         prompts = list(prompts)
         for p in tqdm(prompts, desc="calibrating activations", disable=not progress or len(prompts) < 2):

@@ -102,7 +102,8 @@ STAGES = (
         "quantize",
         S.stage_quantize,
         ("quantized",),
-        ("target_quant", "drafter_quant", "kv_cache", "calib_prompts", "calib_source", "max_seq_len"),
+        ("target_quant", "drafter_quant", "kv_cache", "calib_prompts", "calib_source", "calib_seq_len", "max_seq_len")
+        + ("awq",),
         ("check",),
         lambda c: c.quantized,
     ),

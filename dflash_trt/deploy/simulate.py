@@ -4,7 +4,8 @@ Boundary: dequantise-on-load only. The FP8 / NVFP4 weights of a folder written b
 build stage (hf_quant_config.json + model.safetensors) are turned back into float tensors
 (quantize.dequantize_state_dict) and loaded into the ordinary PyTorch modules, so the engine runs
 with exactly the rounding the quantised checkpoint carries: weight error is simulated, fp8/fp4
-GEMM arithmetic and activation quantisation are not (they need Hopper/Blackwell tensor cores).
+GEMM arithmetic and activation quantisation are not (they need Hopper/Blackwell tensor cores). On a GPU
+with FP8 tensor cores an FP8 target runs natively instead (use_native_fp8, modeling/lowp_linear.py).
 api.load_target / load_drafter call these when a folder has hf_quant_config.json.
 """
 
@@ -19,6 +20,7 @@ from dflash_trt.deploy.hf_checkpoint import QUANT_CONFIG_NAME, load_quantized_ch
 from dflash_trt.deploy.quantize import dequantize_state_dict
 from dflash_trt.errors import CheckpointError
 from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.lowp_linear import native_fp8_reason, swap_in_fp8
 from dflash_trt.modeling.target import SUPPORTED_MODEL_TYPES, TargetModel
 
 
@@ -62,6 +64,21 @@ def load_quantized_target(folder: str | Path, dtype: torch.dtype = torch.float32
     if config.tie_word_embeddings:
         hf.tie_weights()
     return TargetModel(hf.eval(), folder)  # its tokenizer files add stop ids
+
+
+def use_native_fp8(target, folder: str | Path) -> list[str]:
+    """On a GPU with FP8 tensor cores (sm_89+), swap the target's dequantized linears for FP8 ones that keep
+    the checkpoint's FP8 weights (modeling/lowp_linear.py); elsewhere nothing changes. Returns the swapped
+    module names."""
+    if native_fp8_reason(target.device) is not None:
+        return []
+    qstate, hf_qc, _ = load_quantized_checkpoint(folder)
+    if hf_qc.get("quantization", {}).get("quant_algo") != "FP8":
+        return []
+    swapped = swap_in_fp8(target.hf, qstate)
+    if swapped:
+        torch.cuda.empty_cache()  # the dequantized weights the swap replaced
+    return swapped
 
 
 def load_quantized_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None):

@@ -9,7 +9,7 @@ Every stage is `fn(ctx) -> info dict` and writes under `ctx.work` (the temp dir 
 while any path written *into* a file points at `ctx.final` (the out dir the temp dir becomes):
 
   check/summary.json        check        configs fit; params, memory per precision, KV-cache size
-  quantized/{target,drafter} quantize    Model Optimizer HF layout (only the non-bf16 models)
+  quantized/{target,drafter} quantize    target: Model Optimizer's export; drafter: its layout (non-bf16 only)
   engine/                   engine       torch: target/ drafter/ tokenizer/ manifest.json;
                                          trtllm-pytorch: model.yaml (LLM API) + drafter/
   model_repo/               repo         filled Triton model repository
@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.loop import generate
@@ -35,8 +33,10 @@ from dflash_trt.deploy.build_config import BuildConfig
 from dflash_trt.deploy.check import check, print_summary
 from dflash_trt.deploy.files import copy_tree, link_or_copy, read_state, write_json
 from dflash_trt.deploy.hf_checkpoint import save_quantized_checkpoint
+from dflash_trt.deploy.modelopt_target import quantize_target
 from dflash_trt.deploy.quant_eval import evaluate_quantized
-from dflash_trt.deploy.quantize import calibrate_amax, quantize_state_dict
+from dflash_trt.deploy.quantize import calibrate_amax, quantize_state_dict, unquantized_modules
+from dflash_trt.families.capabilities import caps_of
 from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
 from dflash_trt.train.prompts import load_prompts
 
@@ -87,57 +87,67 @@ def stage_check(ctx: Context) -> dict:
 def _calibration_ids(ctx: Context, tok) -> list[list[int]]:
     prompts = load_prompts(ctx.cfg.calib_source, ctx.cfg.calib_prompts)
     chat = bool(getattr(tok, "chat_template", None))
-    return [encode(tok, p, chat)[: max(8, ctx.cfg.max_seq_len // 2)] for p in prompts]
+    return [encode(tok, p, chat)[: min(ctx.cfg.calib_seq_len, ctx.cfg.max_seq_len)] for p in prompts]
+
+
+def _quantize_drafter(ctx: Context, ids: list[list[int]]) -> dict:
+    """The drafter through deploy/quantize.py (not a transformers model: modelopt's HF export does not take
+    it). It sees target features only inside real DFlash decoding, so its calibration runs the pair: the
+    target whole, in bf16 (never float32); kernels="torch": the Triton path computes context K/V inside one
+    kernel, past the k_proj / v_proj / kv() hooks. Modules the family keeps in bf16 (CAPS.quant_exclude)
+    and every other linear left unquantized are named in exclude_modules, as engines' loaders need."""
+    cfg, kv = ctx.cfg, ctx.cfg.kv_quant
+    target, _ = load_target(str(ctx.dirs["target"]), "bfloat16", progress=False, packed=False)
+    drafter = load_drafter(target, str(ctx.dirs["drafter"]))
+    amax, kv_amax = calibrate_amax(
+        drafter,
+        lambda p: generate(target, drafter, [p], SamplingParams(max_new_tokens=8), kernels="torch"),
+        ids,
+        progress=ctx.progress,
+        kv=kv == "fp8",
+    )
+    src = ctx.dirs["drafter"]
+    state = read_state(src)
+    patterns = caps_of(drafter.config.family).quant_exclude
+    qstate, hf_qc = quantize_state_dict(
+        state, cfg.drafter_quant, exclude=patterns, act_amax=amax, kv_cache=kv, kv_amax=kv_amax
+    )
+    hf_qc["quantization"]["exclude_modules"] = unquantized_modules(qstate)
+    dst = ctx.work / "quantized" / "drafter"
+    save_quantized_checkpoint(dst, qstate, hf_qc, config=json.loads((src / "config.json").read_text()))
+    copy_aux_files(src, dst)
+    n = sum(1 for k in qstate if k.endswith(".weight_scale"))
+    kv_n = sum(1 for k in qstate if k.endswith((".k_scale", ".v_scale"))) // 2
+    ctx.echo(
+        f"quantize: drafter -> {cfg.drafter_quant} ({n} linear layers, {len(ids)} calibration prompts"
+        + (f", fp8 KV-cache scales of {kv_n} attention layers" if kv == "fp8" else "")
+        + f"; kept bf16: {', '.join(hf_qc['quantization']['exclude_modules'])})"
+    )
+    return {
+        "format": hf_qc["quantization"]["quant_algo"],
+        "quantized_linears": n,
+        "calibration_prompts": len(ids),
+        "kv_cache_quant_algo": hf_qc["quantization"]["kv_cache_quant_algo"],
+        "kv_scales": 2 * kv_n,
+        "exclude_modules": hf_qc["quantization"]["exclude_modules"],
+    }
 
 
 def stage_quantize(ctx: Context) -> dict:
-    """Calibrate activation amax (and, for an fp8 KV cache, each attention layer's K/V amax) on a few
-    prompts, then write FP8 / NVFP4 checkpoints in Model Optimizer's HF export layout
-    (quantized/target, quantized/drafter) for the non-bf16 models."""
+    """quantized/target (NVIDIA Model Optimizer's own export, deploy/modelopt_target.py: streamed, layer by
+    layer) and quantized/drafter (deploy/quantize.py) for the models whose quant is not bf16; with an fp8 KV
+    cache each carries its attention layers' k/v scales."""
     cfg = ctx.cfg
-    kv = cfg.kv_quant
-    target, _ = load_target(
-        str(ctx.dirs["target"]), "float32", progress=False, packed=False  # calibrate in full precision
-    )  # activation hooks need the nn.Linear modules
-    drafter = load_drafter(target, str(ctx.dirs["drafter"]))
     ids = _calibration_ids(ctx, load_tokenizer(ctx.dirs["tokenizer"]))
     out = {}
-    for which in ("target", "drafter"):
-        fmt = cfg.quant_of(which)
-        if fmt == "bf16":
-            continue
-        if which == "target":  # prefill forwards of the HF model: module names = state-dict names
-            amax, kv_amax = calibrate_amax(
-                target.hf, lambda p: target.hf(torch.tensor([p])), ids, progress=ctx.progress, kv=kv == "fp8"
-            )
-        else:  # the drafter sees target features only inside real DFlash decoding; kernels="torch": the
-            # Triton path computes context K/V inside one kernel, past the k_proj / v_proj / kv() hooks
-            amax, kv_amax = calibrate_amax(
-                drafter,
-                lambda p: generate(target, drafter, [p], SamplingParams(max_new_tokens=8), kernels="torch"),
-                ids,
-                progress=ctx.progress,
-                kv=kv == "fp8",
-            )
-        src = ctx.dirs[which]
-        state = read_state(src)
-        qstate, hf_qc = quantize_state_dict(state, fmt, act_amax=amax, kv_cache=kv, kv_amax=kv_amax)
-        dst = ctx.work / "quantized" / which
-        config = json.loads((src / "config.json").read_text())
-        save_quantized_checkpoint(dst, qstate, hf_qc, config=config)
+    if cfg.target_quant != "bf16":
+        src, dst = ctx.dirs["target"], ctx.work / "quantized" / "target"
+        out["target"] = quantize_target(src, dst, cfg.target_quant, cfg.kv_quant, ids, cfg.awq, ctx.echo)
         copy_aux_files(src, dst)
-        if which == "target" and ctx.dirs["tokenizer"] != src:
+        if ctx.dirs["tokenizer"] != src:
             copy_aux_files(ctx.dirs["tokenizer"], dst)
-        n = sum(1 for k in qstate if k.endswith(".weight_scale"))
-        out[which] = {
-            "format": hf_qc["quantization"]["quant_algo"],
-            "quantized_linears": n,
-            "calibration_prompts": len(ids),
-            "kv_cache_quant_algo": hf_qc["quantization"]["kv_cache_quant_algo"],
-            "kv_scales": sum(1 for k in qstate if k.endswith((".k_scale", ".v_scale"))),
-        }
-        kv_note = f", fp8 KV-cache scales of {out[which]['kv_scales'] // 2} attention layers" if kv == "fp8" else ""
-        ctx.echo(f"quantize: {which} -> {fmt} ({n} linear layers, {len(ids)} calibration prompts{kv_note})")
+    if cfg.drafter_quant != "bf16":
+        out["drafter"] = _quantize_drafter(ctx, ids)
     return out
 
 

@@ -24,6 +24,7 @@ import yaml
 from dflash_trt.config import DrafterConfig
 from dflash_trt.deploy.files import copy_tree
 from dflash_trt.errors import ConfigError
+from dflash_trt.families.capabilities import caps_of, engine_of, refusal
 
 # build.yaml attention_backend -> TensorRT-LLM attn_backend (TorchLlmArgs.attn_backend: VANILLA |
 # TRTLLM | FLASHINFER; TRTLLM is its default and the backend its docs recommend for production)
@@ -33,11 +34,7 @@ ATTN_BACKEND = {"auto": "TRTLLM", "trtllm": "TRTLLM", "flashinfer": "FLASHINFER"
 DRAFT_TRTLLM_SMS = ("sm_100",)
 # TensorRT-LLM's max_num_tokens default (BaseLlmArgs.max_num_tokens); raised when verify blocks need more
 TRTLLM_MAX_NUM_TOKENS = 8192
-# families TensorRT-LLM's speculative_config has no decoding_type for -> the engines that run them
-NOT_IN_TRTLLM = {
-    "dflash2": "vLLM runs it (backend: torch with emit: [vllm] writes its command)",
-    "domino": "SGLang runs it (backend: torch with emit: [sglang] writes its command)",
-}
+ENGINE = "trtllm-pytorch"  # this backend's name in the families' capability declarations (families/*.py CAPS)
 # config.json fields that mark a mixture-of-experts target (Qwen-MoE / Mixtral / DeepSeek spellings)
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -57,26 +54,9 @@ def check_expert_parallel(cfg, tc) -> None:
 
 def check_trtllm(cfg, tc, dc: DrafterConfig) -> None:
     """What TensorRT-LLM cannot run, refused at `check` (one line naming the field and the fix)."""
-    fam = dc.family
-    if fam.NAME in NOT_IN_TRTLLM:
-        raise ConfigError(
-            f"backend=trtllm-pytorch: TensorRT-LLM has no {fam.LABEL} drafter (its speculative_config "
-            f"takes DFlash or DSpark); {NOT_IN_TRTLLM[fam.NAME]}, and dflash-trt's torch backend runs every family"
-        )
-    if fam.NAME == "dspark":
-        ff = dc.family_fields
-        if ff["markov_rank"] > 0 and ff["markov_head_type"] != "vanilla":
-            # GQADSparkForCausalLM.__init__ (modeling_dspark.py) raises for gated / rnn heads
-            raise ConfigError(
-                f"backend=trtllm-pytorch: TensorRT-LLM's DSpark runs the vanilla Markov head only, this drafter "
-                f"has markov_head_type={ff['markov_head_type']}; use backend: torch"
-            )
-        if not ff["sample_from_anchor"]:
-            # TensorRT-LLM drafts with the shift_label layout (slot 0 = anchor), i.e. sample_from_anchor true
-            raise ConfigError(
-                "backend=trtllm-pytorch: TensorRT-LLM's DSpark drafts from the anchor slot (shift_label), this "
-                "drafter has sample_from_anchor: false; use backend: torch"
-            )
+    why = refusal(dc.family, ENGINE, dc.family_fields, cfg.drafter_quant)  # the family's own declaration
+    if why:
+        raise ConfigError(f"backend={ENGINE}: {why}")
     if cfg.pp_size > tc.num_hidden_layers:
         raise ConfigError(
             f"pp_size={cfg.pp_size}: above the target's {tc.num_hidden_layers} layers (each pipeline stage "
@@ -85,19 +65,18 @@ def check_trtllm(cfg, tc, dc: DrafterConfig) -> None:
 
 
 def draft_lengths(dc: DrafterConfig) -> tuple[int, int | None]:
-    """(max_draft_len, DSpark block_size) of a drafter with block size B. DFlash drafts B-1 tokens (slots
-    1..B-1 after the anchor); DSpark's shift_label layout drafts B (slot j predicts token j+1), and
-    TensorRT-LLM wants its block_size equal to max_draft_len (DSparkDecodingConfig.block_size)."""
-    if dc.family.NAME == "dspark":
-        return dc.block_size, dc.block_size
-    return dc.block_size - 1, None
+    """(max_draft_len, DSpark block_size) of a drafter with block size B: the family's serving draft count
+    (CAPS.drafts: DFlash B-1, slots 1..B-1 after the anchor; DSpark's shift_label layout B, slot j predicts
+    token j+1); TensorRT-LLM wants DSpark's block_size equal to max_draft_len (DSparkDecodingConfig)."""
+    k = caps_of(dc.family).drafts(dc)
+    return k, (k if engine_of(dc.family, ENGINE).layout == "DSpark" else None)
 
 
 def speculative_config(ctx, dc: DrafterConfig) -> dict:
     cfg = ctx.cfg
     k, block = draft_lengths(dc)
     spec = {
-        "decoding_type": "DSpark" if block else "DFlash",
+        "decoding_type": engine_of(dc.family, ENGINE).layout,  # DFlash | DSpark
         "max_draft_len": k,
         "speculative_model": str(ctx.final / "engine" / "drafter"),
         "mask_token_id": dc.mask_token_id,
@@ -155,10 +134,19 @@ def write_llmapi_engine(ctx) -> dict:
         "build.\n# Keys are tensorrt_llm.LLM() arguments; see Triton's llmapi model.\n"
         + yaml.safe_dump(conf, sort_keys=False)
     )
-    if cfg.drafter_quant != "bf16":
+    dc = DrafterConfig.load(ctx.dirs["drafter"])
+    sup = engine_of(dc.family, ENGINE)
+    if cfg.drafter_quant != "bf16" and not sup.quantized_drafter:
         ctx.echo(
-            f"engine: drafter_quant={cfg.drafter_quant} not used: TensorRT-LLM's DFlash/DSpark drafter projects "
-            f"context K/V with the raw qkv_proj weights and a plain nn.Linear fc, so it gets the bf16 drafter"
+            f"engine: drafter bf16 copy, not {cfg.drafter_quant}: TensorRT-LLM's DFlash/DSpark drafter projects "
+            f"context K/V with the raw qkv_proj weights and a plain nn.Linear fc"
+        )
+    if dc.draft_vocab_size is not None and not sup.draft_vocab:
+        # DFlashForCausalLM.load_weights(allow_partial_loading=True) ignores draft_vocab and uses the target's
+        # full LM head: the drafter drafts over the whole vocabulary there (its accepted drafts stay exact)
+        ctx.echo(
+            f"engine: draft vocabulary ({dc.draft_vocab_size} tokens) dropped: TensorRT-LLM drafts over the "
+            f"target's full vocabulary (DFlashForCausalLM loads the target's LM head)"
         )
     if cfg.draft_cutoff > 0 or cfg.draft_length != "block" or cfg.proposer != "dflash":
         ctx.echo(

@@ -17,7 +17,11 @@ Boundary: the registry only. Each family is one module of this package declaring
   build(drafter)             the extra weights it adds to a DFlashDrafter (none for plain DFlash);
   load_keys / save_keys      its checkpoint tensor names <-> the drafter's state_dict names;
   propose(...)               how draft tokens, the q used for acceptance, and the per-position
-                             confidence for the draft length come from the drafter.
+                             confidence for the draft length come from the drafter;
+  CAPS                       its deploy capabilities (families/capabilities.py): which engines run it
+                             under which name, which of its modules stay unquantized, which engine
+                             loaders read a quantized drafter, kernels / CUDA graph / draft vocabulary /
+                             cutoff / hybrid. A family without CAPS is refused by every engine.
 Adding a family is one module plus one entry in FAMILIES. The registry sits beside config and
 modeling rather than inside either because config (fields), modeling (weights) and decoding
 (propose) all read it; family modules import torch and errors only, so no import cycle forms.

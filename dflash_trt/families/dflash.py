@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.families.capabilities import ALWAYS_EXCLUDED, Capabilities, EngineSupport
+
 NAME, ARCHITECTURE, LABEL = "dflash", "DFlashDraftModel", "DFlash"
 CONFIG_KEYS: tuple[str, ...] = ()
 KERNELS = True
@@ -91,3 +93,24 @@ def chosen_prob(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """softmax(logits)[..., ids] without materialising the softmax: logits [..., V], ids [...]."""
     logits = logits.float()
     return (logits.gather(-1, ids[..., None]).squeeze(-1) - logits.logsumexp(-1)).exp()
+
+
+# ---- deploy capabilities (families/capabilities.py; read by deploy/ and the engine switches) ----------------
+# vLLM 0.33: every linear of DFlashQwen3Model takes the draft's quant_config (model_executor/models/
+# qwen3_dflash.py:466-486, fc :477) and its draft vocabulary is lm_head rows + d2t (:745-775, :851-884).
+# SGLang 0.5.23: DFlashDraftModel.supports_quantization = False (srt/models/dflash.py:685), so fc is a plain
+# nn.Linear (:772) that would read fp8 codes as values; SGLang has no draft vocabulary.
+# TensorRT-LLM: its DFlash drafter projects context K/V with the raw qkv_proj weights and a plain nn.Linear fc
+# (bf16 drafter only), and loads with allow_partial_loading over the target's full LM head (no draft vocabulary).
+CAPS = Capabilities(
+    engines={
+        "vllm": EngineSupport("dflash", quantized_drafter=True, draft_vocab=True, source="qwen3_dflash.py:466-486"),
+        "sglang": EngineSupport("DFLASH", source="srt/models/dflash.py:685,772"),
+        "trtllm-pytorch": EngineSupport("DFlash", source="tensorrt_llm DFlashForCausalLM.load_weights"),
+        "torch": EngineSupport("dflash", quantized_drafter=True, draft_vocab=True),
+    },
+    quant_exclude=ALWAYS_EXCLUDED,
+    kernels=KERNELS,
+    cuda_graph=KERNELS,
+    draft_vocab=True,
+)

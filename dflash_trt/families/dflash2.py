@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.families import dflash
+from dflash_trt.families.capabilities import ALWAYS_EXCLUDED, Capabilities, EngineSupport
 
 NAME, ARCHITECTURE, LABEL = "dflash2", "DFlash2DraftModel", "DFlash 2"
 CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -227,3 +228,28 @@ def train_terms(drafter, hidden, block_ids, labels, teacher=None, selector_alpha
     sel = torch.where(found.flatten(), sel, torch.zeros_like(sel)).view(shape)
     predicted = cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0].view(shape)
     return [(1.0, base), (selector_alpha, sel)], predicted
+
+
+# ---- deploy capabilities (families/capabilities.py; read by deploy/ and the engine switches) ----------------
+# vLLM 0.33 runs it under method dflash (architecture DFlash2DraftModel); its convolutions' kernel_projection
+# takes the draft's quant_config (model_executor/models/qwen3_dflash2.py:194-201), so an unquantized one
+# must be in exclude_modules; the selector's hidden_projection has none (:332-337).
+# SGLang 0.5.23: DFlash2DraftModel subclasses DFlashDraftModel (srt/models/dflash.py:1264), whose
+# supports_quantization is False (:685). TensorRT-LLM's speculative_config has no DFlash 2.
+CAPS = Capabilities(
+    engines={
+        "vllm": EngineSupport("dflash", quantized_drafter=True, source="qwen3_dflash2.py:194-201,332-337"),
+        "sglang": EngineSupport("DFLASH", source="srt/models/dflash.py:685,1264"),
+        "torch": EngineSupport("dflash", quantized_drafter=True),
+    },
+    refused={
+        "trtllm-pytorch": (
+            "TensorRT-LLM has no DFlash 2 drafter (its speculative_config takes DFlash or DSpark); vLLM runs it "
+            "(backend: torch with emit: [vllm] writes its command), and dflash-trt's torch backend runs every family"
+        )
+    },
+    quant_exclude=(*ALWAYS_EXCLUDED, "*kernel_projection", f"{SELECTOR}*"),
+    kernels=KERNELS,
+    draft_cutoff=False,  # lengths() offers no per-draft probability
+    hybrid=False,
+)

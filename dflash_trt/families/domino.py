@@ -25,6 +25,7 @@ from torch import nn
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.families import dspark
+from dflash_trt.families.capabilities import ALWAYS_EXCLUDED, Capabilities, EngineSupport
 
 NAME, ARCHITECTURE, LABEL = "domino", "DominoDraftModel", "Domino"
 PROJECTOR_TYPE = "domino"
@@ -157,3 +158,35 @@ def train_terms(drafter, hidden, block_ids, labels, teacher=None, lambda_base: f
         base_ce = torch.nn.functional.cross_entropy(base.flatten(0, 1), labels.flatten(), reduction="none")
         terms.append((lambda_base, base_ce.view(shape)))
     return terms, logits.argmax(-1).view(shape)
+
+
+# ---- deploy capabilities (families/capabilities.py; read by deploy/ and the engine switches) ----------------
+# vLLM 0.33 has no Domino model or speculator (model_executor/models/registry.py:654-680). SGLang 0.5.23 runs
+# it as DFlashDraftModel with dflash_config.projector_type domino (speculative/dflash_utils.py:727-790),
+# pure_draft_prefix_len 1 only (:779-783), bf16 projector weights (speculative/domino_utils.py:293-307) and
+# supports_quantization False (models/dflash.py:685). TensorRT-LLM's speculative_config has no Domino.
+def _engine_refusal(engine: str, fields: dict, drafter_quant: str) -> str | None:
+    if engine == "sglang" and fields["pure_draft_prefix_len"] != 1:
+        return (
+            f"SGLang 0.5.23 runs Domino drafters with pure_draft_prefix_len=1 only (this one has "
+            f"{fields['pure_draft_prefix_len']}); train with pure_draft_prefix_len: 1, or serve it with backend: torch"
+        )
+    return None
+
+
+CAPS = Capabilities(
+    engines={
+        "sglang": EngineSupport("DFLASH", architecture="DFlashDraftModel", source="dflash_utils.py:727-790"),
+        "torch": EngineSupport("domino", quantized_drafter=True),
+    },
+    refused={
+        "vllm": "vLLM 0.33 has no Domino drafter; emit sglang instead, or serve it with backend: torch",
+        "trtllm-pytorch": (
+            "TensorRT-LLM has no Domino drafter (its speculative_config takes DFlash or DSpark); SGLang runs it "
+            "(backend: torch with emit: [sglang] writes its command), and dflash-trt's torch backend runs every family"
+        ),
+    },
+    quant_exclude=(*ALWAYS_EXCLUDED, "prefix_gru*", "embed_proj*"),
+    kernels=KERNELS,
+    field_refusal=_engine_refusal,
+)

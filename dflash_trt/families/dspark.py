@@ -35,6 +35,7 @@ from torch import nn
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.families import dflash
+from dflash_trt.families.capabilities import ALWAYS_EXCLUDED, LABELS, Capabilities, EngineSupport
 
 NAME, ARCHITECTURE, LABEL = "dspark", "DSparkDraftModel", "DSpark"
 PROJECTOR_TYPE = "dspark"
@@ -292,3 +293,52 @@ def train_terms(drafter, hidden, block_ids, labels, teacher=None, ce_alpha=None,
         )
         terms.append((CONF_ALPHA if conf_alpha is None else conf_alpha, conf.view(shape)))
     return terms, predicted
+
+
+# ---- deploy capabilities (families/capabilities.py; read by deploy/ and the engine switches) ----------------
+# vLLM 0.33 (model_executor/models/qwen3_dspark.py): markov_w2 is a ParallelLMHead that takes the draft's
+# quant_config (:72-78), so an unquantized head must be in exclude_modules or vLLM treats it as FP8 and its
+# scales stay uninitialised; the confidence head is an fp32 ReplicatedLinear without quant_config (:176-182);
+# DSparkMarkovHead is vanilla W2 W1[prev] only (:61-80); markov_rank is read with no default (:209-212).
+# SGLang 0.5.23: DSparkDraftModel subclasses DFlashDraftModel (srt/models/dspark.py:967), whose
+# supports_quantization is False (models/dflash.py:685); DSpark without a Markov head raises (dspark.py:385-391).
+# TensorRT-LLM: GQADSparkForCausalLM raises for gated / rnn heads and drafts from the anchor slot.
+def _engine_refusal(engine: str, fields: dict, drafter_quant: str) -> str | None:
+    if engine == "torch":
+        return None
+    if not fields["markov_rank"]:
+        return (
+            f"a DSpark drafter with markov_rank=0 has no Markov head, which {LABELS[engine]} needs; use backend: torch"
+        )
+    if engine != "sglang" and fields["markov_head_type"] != "vanilla":
+        return (
+            f"{LABELS[engine]} implements only the vanilla DSpark Markov head (this drafter's markov_head_type="
+            f"{fields['markov_head_type']}); serve it with sglang or backend: torch"
+        )
+    if engine == "trtllm-pytorch" and not fields["sample_from_anchor"]:
+        return (
+            "TensorRT-LLM's DSpark drafts from the anchor slot (shift_label), this drafter has "
+            "sample_from_anchor: false; use backend: torch"
+        )
+    return None
+
+
+def _serving_drafts(dc) -> int:
+    """vLLM, SGLang and TensorRT-LLM draft from all B positions with sample_from_anchor (vLLM
+    dspark/speculator.py:46-55, SGLang dspark_config.py:295-297), B-1 in fill-in mode."""
+    return dc.block_size if dc.family_fields["sample_from_anchor"] else dc.block_size - 1
+
+
+CAPS = Capabilities(
+    engines={
+        "vllm": EngineSupport("dspark", quantized_drafter=True, source="qwen3_dspark.py:72-78,176-182"),
+        "sglang": EngineSupport("DSPARK", source="srt/models/dspark.py:967, models/dflash.py:685"),
+        "trtllm-pytorch": EngineSupport("DSpark", source="tensorrt_llm GQADSparkForCausalLM"),
+        "torch": EngineSupport("dspark", quantized_drafter=True),
+    },
+    quant_exclude=(*ALWAYS_EXCLUDED, "markov_head*", "confidence_head*"),
+    kernels=KERNELS,
+    top_level=(*TOP_LEVEL_TOO, "sample_from_anchor"),
+    field_refusal=_engine_refusal,
+    drafts=_serving_drafts,
+)

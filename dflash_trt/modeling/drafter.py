@@ -426,22 +426,35 @@ def _cached_block_attention(cache: KVCache, positions: torch.Tensor, cfg: Drafte
     return attend
 
 
-def check_compatible(cfg: DrafterConfig, target) -> None:
-    """Raise IncompatibleModelsError naming the field when drafter and target do not fit."""
-    tc = target.config
+def fit_problems(cfg: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> list[str]:
+    """What keeps a drafter (its config) from fitting a target with these sizes: the one home of the fit
+    rule, read by bind() on loaded models and by the build's check stage on configs alone."""
     problems = []
-    if cfg.hidden_size != tc.hidden_size:
-        problems.append(f"hidden_size {cfg.hidden_size} != target hidden_size {tc.hidden_size}")
-    if cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {cfg.vocab_size} != target vocab size {target.vocab_size}")
-    if cfg.num_target_layers != target.num_layers:
-        problems.append(f"num_target_layers {cfg.num_target_layers} != target's {target.num_layers} layers")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if cfg.hidden_size != hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target hidden_size {hidden_size}")
+    if cfg.vocab_size != vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab size {vocab_size}")
+    if cfg.num_target_layers != num_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != target's {num_layers} layers")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
     if bad:
-        problems.append(f"dflash_config.target_layer_ids {bad} outside the target's layers 0..{target.num_layers - 1}")
+        problems.append(f"dflash_config.target_layer_ids {bad} outside the target's layers 0..{num_layers - 1}")
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        problems.append(f"dflash_config.mask_token_id {cfg.mask_token_id} outside the target vocabulary")
+    return problems
+
+
+def check_fit(cfg: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """Raise IncompatibleModelsError naming the fields when drafter and target do not fit."""
+    problems = fit_problems(cfg, hidden_size, vocab_size, num_layers)
     if problems:
         raise IncompatibleModelsError(
             "drafter does not fit the target: "
             + "; ".join(problems)
-            + " (train a drafter for this target with `dflash-trt train`)"
+            + " (this drafter was made for another target: train one for it with `dflash-trt train`)"
         )
+
+
+def check_compatible(cfg: DrafterConfig, target) -> None:
+    """check_fit against a loaded TargetModel."""
+    check_fit(cfg, target.config.hidden_size, target.vocab_size, target.num_layers)
