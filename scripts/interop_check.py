@@ -115,9 +115,13 @@ def build_cases(root: Path, families=FAMILIES, quants=QUANTS) -> list[dict]:
                 y = root / f"{name}-{engine}.yaml"
                 y.write_text(yaml.safe_dump(cfg))
                 r = CliRunner().invoke(main, ["build", "emit", "--config", str(y), "--out", str(out)])
-                if r.exit_code:
-                    lines = [ln for ln in r.output.splitlines() if ln.strip()]
-                    case["engines"][engine] = {"refused": lines[-1] if lines else f"exit {r.exit_code}"}
+                if r.exit_code:  # exit 2: refused with one line; anything else is our build failing
+                    lines = [ln.strip() for ln in r.output.splitlines() if ln.strip()]
+                    last = lines[-1] if lines else f"exit {r.exit_code}"
+                    if r.exception is not None and not isinstance(r.exception, SystemExit):
+                        last = f"{type(r.exception).__name__}: {r.exception}"
+                    key = "refused" if r.exit_code == 2 else "failed"
+                    case["engines"][engine] = {key: last}
                     continue
                 tgt = out / "quantized" / "target" if q != "bf16" else root / "target"
                 reference(tgt, root / f"ref-{name}-{engine}-target.safetensors")
@@ -163,6 +167,8 @@ def verdict(entry: dict, result: dict | None) -> str:
     """One table cell: ok / wrong (what) / refused-by-our-build (why)."""
     if "refused" in entry:
         return f"refused-by-our-build ({entry['refused'].removeprefix('error: ')})"
+    if "failed" in entry:
+        return f"wrong (our build failed: {entry['failed'][:200]})"
     if result is None or "error" in result:
         return f"wrong (the engine raised: {(result or {}).get('error', 'no result')})"
     problems, d, e = list(result["problems"]), result["derived"], entry["expect"]
