@@ -94,6 +94,12 @@ def f32_gguf(name: str, home: str | Path | None = None, progress: bool = True) -
     return final / FILE
 
 
+def _next_token(llm) -> int:
+    """Greedy pick from the last evaluated token's logits. Read from the context: llama-cpp-python
+    0.3.x fills `llm.scores` only with logits_all=True (it samples inside llama.cpp otherwise)."""
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+
 @register
 class LlamaCpp(Method):
     """llama.cpp's plain greedy decoding: prompt evaluated in one batch, then one eval() per token."""
@@ -124,12 +130,12 @@ class LlamaCpp(Method):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(item.ids)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = _next_token(llm)
         ttft = time.perf_counter() - t0
         toks = [tok]
         while len(toks) < params.max_new_tokens and tok not in stops:
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = _next_token(llm)
             toks.append(tok)
         wall = time.perf_counter() - t0
         return Run(toks, len(toks), ttft, wall, [0, len(toks) - 1], verify_time=wall - ttft)
