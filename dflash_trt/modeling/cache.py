@@ -54,6 +54,12 @@ class KVCache:
         self.k[layer].scatter_(2, idx, k.to(self.k[layer].dtype))
         self.v[layer].scatter_(2, idx, v.to(self.v[layer].dtype))
 
+    def write_run(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """write() for one row (R == 1): k, v [1, H_kv, n, D] at slots start .. start + n - 1, a slice copy."""
+        n = k.shape[2]
+        self.k[layer][:, :, start : start + n].copy_(k)
+        self.v[layer][:, :, start : start + n].copy_(v)
+
     def view(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of all rows for slots [0, upto): [R, H_kv, upto, D]."""
         return self.k[layer][:, :, :upto], self.v[layer][:, :, :upto]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import CheckpointError, DFlashError
+from dflash_trt.modeling import step_ops
 from dflash_trt.modeling.cache import KVCache
 from dflash_trt.modeling.stop_ids import model_stop_ids, tokenizer_stops
 
@@ -36,12 +37,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """q [R, H, n, D] against k/v [R, H_kv, S, D] where visible [R, n, S] is True; -> [R, H, n, D]."""
+    """q [R, H, n, D] against k/v [R, H_kv, S, D] where visible [R, n, S] is True (None: all); -> [R, H, n, D]."""
     # enable_gqa instead of repeat_interleave: materialising the repeated K/V was ~70% of a CPU decode step
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=None if visible is None else visible[:, None],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
 
 
@@ -138,7 +144,7 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on pre-norm hidden states [..., d] -> float32 logits [..., V]."""
-        return self.lm_head(self.norm(hidden)).float()
+        return step_ops.linear(self.lm_head, step_ops.rms_norm(self.norm, hidden)).float()
 
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
@@ -170,16 +176,22 @@ class TargetModel(nn.Module):
             visible = torch.arange(upto, device=input_ids.device)[None, None, :] <= positions[:, :, None]
         else:
             positions, visible = _tree_mask(cache.lengths, tree, n, upto)
+        if R == 1 and tree is None and n == 1:
+            visible = None  # one token appended to one row sees every slot < upto: no mask to build or apply
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, positions)
+        cos, sin = self.rotary_emb(x, positions)  # [R, n, D]
+        rot = (cos[:, :, None], step_ops.signed_sin(sin)[:, :, None])  # [R, n, 1, D], shared by every layer
+        # one row: its n slots are contiguous, so the cache takes a slice copy instead of a scatter
+        at = int(cache.lengths[0]) if R == 1 else None
         taps = []
         want = set(tap_layers or [])
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), i, cache, slots, upto, visible, cos, sin)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = step_ops.rms_norm(layer.input_layernorm, x)
+            x = x + self._attention(layer, h, i, cache, slots, upto, visible, rot, at)
+            x = x + step_ops.mlp(layer.mlp, step_ops.rms_norm(layer.post_attention_layernorm, x))
             if i in want:
-                taps.append(self.norm(x) if i == last else x)
+                taps.append(step_ops.rms_norm(self.norm, x) if i == last else x)
         cache.lengths = cache.lengths + n
         tapped = None
         if tap_layers:
@@ -189,20 +201,25 @@ class TargetModel(nn.Module):
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
         return TargetOutput(logits=self.logits(x), taps=tapped)
 
-    def _attention(self, layer, h, i, cache, slots, upto, visible, cos, sin):
+    def _attention(self, layer, h, i, cache, slots, upto, visible, rot, at):
+        """h [R, n, d] normed input of layer i; rot = (cos, signed sin) [R, n, 1, D]; at: the first new
+        slot when R == 1 (else None: scatter at slots [R, n])."""
         attn = layer.self_attn
         R, n, _ = h.shape
-        q = attn.q_proj(h).view(R, n, -1, self.head_dim)
-        k = attn.k_proj(h).view(R, n, -1, self.head_dim)
-        v = attn.v_proj(h).view(R, n, -1, self.head_dim).transpose(1, 2)
+        q = step_ops.linear(attn.q_proj, h).view(R, n, -1, self.head_dim)
+        k = step_ops.linear(attn.k_proj, h).view(R, n, -1, self.head_dim)
+        v = step_ops.linear(attn.v_proj, h).view(R, n, -1, self.head_dim).transpose(1, 2)
         if self.has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        cache.write(i, k, v, slots)  # the slots; RoPE (cos, sin) carries the positions
+            q, k = step_ops.rms_norm(attn.q_norm, q), step_ops.rms_norm(attn.k_norm, k)
+        q = step_ops.rope(q, *rot).transpose(1, 2)  # [R, H, n, D]
+        k = step_ops.rope(k, *rot).transpose(1, 2)  # [R, H_kv, n, D]
+        if at is None:
+            cache.write(i, k, v, slots)  # the slots; RoPE (cos, sin) carries the positions
+        else:
+            cache.write_run(i, k, v, at)
         k_all, v_all = cache.view(i, upto)
         out = cached_attention(q, k_all, v_all, visible, self.scale)  # [R, H, n, D]
-        return attn.o_proj(out.transpose(1, 2).reshape(R, n, -1))
+        return step_ops.linear(attn.o_proj, out.transpose(1, 2).reshape(R, n, -1))
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], cache: KVCache, tap_layers: list[int] | None = None) -> TargetOutput:
