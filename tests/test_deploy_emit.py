@@ -191,6 +191,9 @@ def test_serving_copy_and_commands_per_family(pair, tmp_path, name):
             for k in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
                 assert cfg[k] == cfg["dflash_config"][k]
             assert cfg["sample_from_anchor"] is True and cfg["confidence_head_with_markov"] is False
+            # vLLM's parent DFlashSpeculator refuses dflash_config.sample_from_anchor=true
+            # (v1/worker/gpu/spec_decode/dflash/speculator.py:80-88); SGLang reads it there too
+            assert ("sample_from_anchor" in cfg["dflash_config"]) == (engine == "sglang")
             assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["markov_rank"] == 8
         if name == "domino":
             assert cfg["architectures"] == ["DFlashDraftModel"]

@@ -14,7 +14,8 @@ DSpark head fields at the top level of config.json. What each engine gets (sourc
                 * the family's CAPS.top_level fields also top-level (DSpark: markov_rank, markov_head_type,
                   enable_confidence_head, confidence_head_with_markov and sample_from_anchor: vLLM
                   models/qwen3_dspark.py:209-224, v1/worker/gpu/spec_decode/dspark/speculator.py:49-51;
-                  SGLang models/dspark.py:385-405, 487-507);
+                  SGLang models/dspark.py:385-405, 487-507); EngineSupport.top_level_only fields only there
+                  (vLLM's DFlashSpeculator refuses dflash_config.sample_from_anchor=true: DSpark's is top level);
                 * an engine that runs the family under another class (CAPS EngineSupport.architecture;
                   Domino on SGLang): architectures [DFlashDraftModel], dflash_config.projector_type
                   "domino" (SGLang has no DominoDraftModel class: speculative/dflash_utils.py:727-790);
@@ -59,11 +60,14 @@ def serving_config(src: Path, dc: DrafterConfig, engine: str) -> dict:
         out["quantization_config"] = raw["quantization_config"]
     fam, fields = dc.family, dc.family_fields
     out.update({k: fields[k] for k in caps_of(fam).top_level})
-    arch = engine_of(fam, engine).architecture
+    support = engine_of(fam, engine)
+    for k in support.top_level_only:  # this engine refuses them inside dflash_config
+        out["dflash_config"].pop(k, None)
+    arch = support.architecture
     if arch is not None:  # the engine runs the family under another class, told apart by projector_type
         out["architectures"] = [arch]
         out["dflash_config"]["projector_type"] = fam.PROJECTOR_TYPE
-    if dc.draft_vocab_size is not None and engine_of(fam, engine).draft_vocab:
+    if dc.draft_vocab_size is not None and support.draft_vocab:
         out["draft_vocab_size"] = dc.draft_vocab_size
     return out
 

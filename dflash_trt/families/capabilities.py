@@ -32,12 +32,15 @@ class EngineSupport:
       correctly (False: the build gives it the bf16 copy and says so);
     draft_vocab: the engine drafts over a draft vocabulary (False: a drafter's draft vocabulary is dropped
       there and it drafts over the target's whole LM head; the build says so);
+    top_level_only: family fields this engine must find at the top level of config.json and NOT inside
+      dflash_config (an engine whose parent class refuses them there);
     source: where the claims come from (file:line in the engine's package), for the reader."""
 
     layout: str
     architecture: str | None = None
     quantized_drafter: bool = False
     draft_vocab: bool = False
+    top_level_only: tuple[str, ...] = ()
     source: str = ""
 
 

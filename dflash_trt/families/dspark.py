@@ -331,7 +331,14 @@ def _serving_drafts(dc) -> int:
 
 CAPS = Capabilities(
     engines={
-        "vllm": EngineSupport("dspark", quantized_drafter=True, source="qwen3_dspark.py:72-78,176-182"),
+        # vLLM's DSparkSpeculator reads sample_from_anchor at the top level (dspark/speculator.py:49-51), but
+        # its parent DFlashSpeculator refuses dflash_config.sample_from_anchor=true (dflash/speculator.py:80-88)
+        "vllm": EngineSupport(
+            "dspark",
+            quantized_drafter=True,
+            top_level_only=("sample_from_anchor",),
+            source="qwen3_dspark.py:72-78,176-182; v1/worker/gpu/spec_decode/dflash/speculator.py:80-88",
+        ),
         "sglang": EngineSupport("DSPARK", source="srt/models/dspark.py:967, models/dflash.py:685"),
         "trtllm-pytorch": EngineSupport("DSpark", source="tensorrt_llm GQADSparkForCausalLM"),
         "torch": EngineSupport("dspark", quantized_drafter=True),
