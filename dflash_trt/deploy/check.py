@@ -131,7 +131,9 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
     why = refusal(dc.family, "torch", dc.family_fields, cfg.drafter_quant)  # families/*.py CAPS
     if cfg.backend == "torch" and why:  # trtllm-pytorch: check_trtllm reads the same declaration
         raise ConfigError(f"backend=torch: {why}")
-    check_emit(cfg, dc)  # emit: [vllm, sglang] that cannot serve this drafter is refused before any stage runs
+    check_emit(
+        cfg, dc, tc.model_type
+    )  # emit: [vllm, sglang] that cannot serve this drafter is refused before any stage runs
     if cfg.backend == "trtllm-pytorch":  # drafters / layouts TensorRT-LLM cannot run, before any stage runs
         check_trtllm(cfg, tc, dc)
     check_expert_parallel(cfg, tc)

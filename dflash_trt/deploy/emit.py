@@ -34,12 +34,23 @@ VLLM_KV = {"fp8": "fp8"}  # config/cache.py:44-56 CacheDType
 SGLANG_KV = {"fp8": "fp8_e4m3"}  # arg_groups/fields/model.py:197-215 --kv-cache-dtype choices
 
 
-def _refusal(cfg, dc: DrafterConfig, engine: str) -> str | None:
+# target model types whose SGLang 0.5.23 attention is built without quant_config, so a checkpoint's
+# calibrated k_scale / v_scale are never loaded and an FP8 KV cache runs at scale 1.0 (srt/models/qwen3.py
+# RadixAttention(...) at :223-230; qwen2.py:221 and llama.py:239 pass quant_config)
+SGLANG_NO_KV_SCALES = ("qwen3",)
+
+
+def _refusal(cfg, dc: DrafterConfig, engine: str, target_type: str | None) -> str | None:
     """Why `engine` cannot serve this drafter with this build config (None: it can): the family's own
-    declaration (families/*.py CAPS) first, then the engines' parallel-layout rules."""
+    declaration (families/*.py CAPS) first, then the engines' parallel-layout and KV-scale rules."""
     why = refusal(dc.family, engine, dc.family_fields, cfg.drafter_quant)
     if why:
         return why
+    if engine == "sglang" and cfg.kv_cache != "bf16" and target_type in SGLANG_NO_KV_SCALES:
+        return (
+            f"kv_cache={cfg.kv_cache}: SGLang 0.5.23 never loads a {target_type} target's calibrated KV-cache "
+            f"scales (its attention has no quant_config), so the cache would run uncalibrated; use kv_cache: bf16"
+        )
     if engine == "vllm" and cfg.ep_size > 1 and cfg.ep_size != cfg.tp_size:
         # --enable-expert-parallel spreads the MoE experts over the tp ranks (config/parallel.py:190-191)
         return (
@@ -51,10 +62,11 @@ def _refusal(cfg, dc: DrafterConfig, engine: str) -> str | None:
     return None
 
 
-def check_emit(cfg, dc: DrafterConfig) -> None:
-    """One ConfigError line for the first engine in `cfg.emit` that cannot serve this drafter."""
+def check_emit(cfg, dc: DrafterConfig, target_type: str | None = None) -> None:
+    """One ConfigError line for the first engine in `cfg.emit` that cannot serve this drafter (and, when
+    `target_type` (config.json model_type) is given, this target with this build's KV cache)."""
     for engine in cfg.emit:
-        why = _refusal(cfg, dc, engine)
+        why = _refusal(cfg, dc, engine, target_type)
         if why:
             raise ConfigError(f"emit={engine}: {why} (or drop {engine} from emit)")
 
