@@ -94,8 +94,9 @@ class SpecEngine:
         draft_length: "block" (the drafter's own probabilities, when draft_cutoff > 0) or "confidence"
         (the drafter's learned acceptance head, DSpark's: the cutoff applies to its predictions).
         proposer: "dflash" (the drafter's block), "ngram" (the continuation copied from the row's own
-        text, decoding/ngram.py; the drafter is not run) or "hybrid" (per row and round, the copy when
-        it is expected to get more drafts accepted than the drafter's block; decoding/hybrid.py) or "tree"
+        text, decoding/ngram.py; the drafter is not run), "none" (no drafts: plain decoding, as served) or
+        "hybrid" (per row and round, the copy when it is expected to get more drafts accepted than the
+        drafter's block; decoding/hybrid.py) or "tree"
         (both verified in one pass as a token tree, the longer accepted branch kept; decoding/tree.py), or
         "auto" (hybrid where the drafter family gives per-draft probabilities, else dflash: proposal.resolve).
         verify_cost: draft_length="cost" only, the verify cost curve (default: measured here at start-up,
@@ -156,7 +157,7 @@ class SpecEngine:
             rule = StopRule.for_request(params, self.eos, len(ids), self.max_seq_len)
             req = _Request(rid, params, gen, rule, DecodeStats(self.block_size, len(ids)))
             req.pen = penalties.state_for(params, rule.stops, ids, self.target.vocab_size, self.target.device)
-            if self.proposer != "dflash":
+            if self.proposer not in ("dflash", "none"):
                 req.index, req.ngram = SuffixIndex(ids), self.record.start()
             reqs.append(req)
             prompts.append(ids)
@@ -165,7 +166,7 @@ class SpecEngine:
         tcache, dcache = self.target.new_cache(len(items), cap), self.drafter.new_cache(len(items), cap)
         out = self.target.prefill(prompts, tcache, self.tap_layers)
         lens = tcache.lengths.clone()
-        if self.proposer != "ngram":  # the n-gram proposer never runs the drafter
+        if self.proposer not in ("ngram", "none"):  # these proposers never run the drafter
             self.drafter.inject_context(out.taps, lens, dcache)
         first = torch.stack([self._sample(req, out.logits[r, 0]) for r, req in enumerate(reqs)])
         dt = time.perf_counter() - t0
@@ -258,9 +259,10 @@ class SpecEngine:
         rows = [(r.params, r.generator) for r in self.reqs]
         mask, V = self.drafter.mask_token_id, self.target.vocab_size
         # copied rows' P(drafts 1..j+1 accepted), for the hybrid choice and the cost cut
-        survivals = None if self.proposer == "dflash" else [r.ngram.survival(B - 1) for r in self.reqs]
-        if self.proposer == "ngram":
-            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V), {}, survivals)
+        survivals = None if self.proposer in ("dflash", "none") else [r.ngram.survival(B - 1) for r in self.reqs]
+        if self.proposer in ("ngram", "none"):  # none: no drafts, every row takes a plain decode step
+            plain = [NO_COPY] * R if self.proposer == "none" else None
+            return self._by_cost(proposal.copy_all(self.last, self.reqs, B, mask, V, plain), {}, survivals)
         proposals = [NO_COPY] * R
         if self.proposer != "dflash":
             proposals = [r.index.propose(B - 1, hybrid.MIN_MATCH) for r in self.reqs]

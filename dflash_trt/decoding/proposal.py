@@ -17,7 +17,8 @@ from dflash_trt.decoding.draft_length import length_source
 from dflash_trt.decoding.verify_cost import VerifyCost, best_width
 from dflash_trt.errors import DFlashError
 
-PROPOSERS = ("dflash", "ngram", "hybrid", "tree")
+# none: no drafts, every round a plain decode step (the served baseline: same engine, batching and server)
+PROPOSERS = ("dflash", "ngram", "hybrid", "tree", "none")
 # "auto" (the generate command's default): hybrid where the drafter gives per-draft probabilities to weigh
 # against copies (DFlash, DSpark, Domino), else dflash (DFlash 2). Measured on a CPU, hybrid was at least
 # dflash's speed on every target x dataset pair of docs/performance.md ("Copied drafts").
@@ -46,6 +47,11 @@ def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: t
     cost_source = next((k for k in ("confidence", "probability") if k in offered), None)
     if proposer not in PROPOSERS:
         raise DFlashError(f"proposer={proposer!r}: choose one of {', '.join(PROPOSERS)}")
+    if proposer == "none" and source is not None:
+        raise DFlashError(
+            "proposer=none: plain decoding verifies no drafts, so draft_cutoff / draft_length do not apply; "
+            "use draft_cutoff=0, draft_length=block"
+        )
     if source == "cost" and cost_source is None and proposer != "ngram":
         raise DFlashError(
             f"draft_length=cost: {label} drafters give no per-draft probability to weigh against the verify "
@@ -77,7 +83,7 @@ def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: t
             f"continuation; use proposer=dflash"
         )
     needs = frozenset()
-    if proposer != "ngram":  # the length's, the hybrid choice's, and the confidence head's for the stats
+    if proposer not in ("ngram", "none"):  # the length's, the hybrid choice's, and the confidence head's for the stats
         needs = (
             frozenset({source} - {None, "cost"})
             | (frozenset({cost_source}) if source == "cost" else frozenset())
