@@ -204,7 +204,7 @@ def run_aiperf(args, srv: Server, adir: Path, prompts_file: Path | None) -> dict
     cmd += ["--benchmark-duration", str(args.duration), "--benchmark-grace-period", str(args.cell_timeout)]
     cmd += ["--use-server-token-count", "--ui", "none", "--random-seed", "0", "--no-gpu-telemetry"]
     cmd += ["--artifact-dir", str(adir), "--extra-inputs", "temperature:0", "--osl", str(args.osl)]
-    cmd += ["--output-tokens-stddev", "0"]
+    cmd += ["--output-tokens-stddev", "0", "--warmup-request-count", "1"]  # the server's first calls are slow
     if prompts_file is None:
         cmd += ["--isl", str(args.isl), "--prompt-input-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true"]
     else:
@@ -239,6 +239,21 @@ def run_grpc(args, srv: Server, cdir: Path, conc: int, prompts: list[str], fixed
     return json.loads(res.stdout)
 
 
+def write_results(args, out: Path, rows: list[dict], contention: dict) -> dict:
+    add_speedups(rows)
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": f"{os.cpu_count()} CPUs, shared with other jobs (see contention)",
+        "settings": {k: v for k, v in vars(args).items() if k != "aiperf"},
+        "contention": contention,
+        "rows": rows,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "table.md").write_text(markdown_table(rows))
+    return result
+
+
 def sweep(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,7 +263,7 @@ def sweep(args) -> dict:
     real.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in load_dataset("varied")))
     rows, contention = [], {}
     for proposer in args.proposers:
-        with CpuWatch() as watch:
+        with CpuWatch(children=True) as watch:  # the server, AIPerf and load.py are ours, not "others"
             srv = Server(args.model_repo, proposer, out / f"serve-{proposer}.log")
             try:
                 for dataset, pfile in (("synthetic", None), ("varied", real)):
@@ -268,17 +283,7 @@ def sweep(args) -> dict:
             finally:
                 code = srv.stop()
         contention[proposer] = {"others_cpu_share": watch.others_share, "serve_exit_code": code}
-    add_speedups(rows)
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "machine": f"{os.cpu_count()} CPUs, shared with other jobs (see contention)",
-        "settings": {k: v for k, v in vars(args).items() if k not in ("aiperf",)},
-        "contention": contention,
-        "rows": rows,
-    }
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "table.md").write_text(markdown_table(rows))
+        result = write_results(args, out, rows, contention)  # after each proposer: a cut-short sweep keeps its rows
     plot(rows, out)
     return result
 
