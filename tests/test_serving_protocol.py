@@ -21,7 +21,13 @@ from dflash_trt.serving.protocol import (
     progress_from,
     token_outputs,
 )
-from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, placeholders
+from dflash_trt.serving.repo import (
+    default_template_dir,
+    default_values,
+    fill_model_repo,
+    override_parameter,
+    placeholders,
+)
 from dflash_trt.serving.stops import TextStop, cut, holdback
 from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, split_stop_sequences, text_delta
 from dflash_trt.serving.trtllm_inputs import bad_word_variants, flatten_words
@@ -283,3 +289,20 @@ def test_fill_model_repo(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hybrid", "repo"]
     with pytest.raises(DFlashError, match="unknown"):
         default_values("t", "d", typo=1)
+
+
+def test_override_parameter_changes_one_line_and_writes_nothing_in_the_build(tmp_path):
+    """serve --proposer: a view of the built repository with the engine's proposer changed."""
+    built = fill_model_repo(default_template_dir(), tmp_path / "repo", default_values(tmp_path / "t", tmp_path / "d"))
+    before = {p: p.read_bytes() for p in built.rglob("*") if p.is_file()}
+    view = override_parameter(built, tmp_path / "view", "proposer", "none")
+    engine_cfg = (view / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "proposer" value: { string_value: "none" }' in engine_cfg
+    assert engine_cfg.replace('"none" }', '"dflash" }') == (built / "dflash" / "config.pbtxt").read_text()
+    assert (view / "dflash" / "1").resolve() == (built / "dflash" / "1").resolve()
+    assert {p.name for p in view.iterdir()} == {p.name for p in built.iterdir()}
+    assert all((view / m).is_symlink() for m in ("ensemble", "dflash_bls", "dflash_unary"))
+    assert {p: p.read_bytes() for p in built.rglob("*") if p.is_file()} == before
+    (built / "dflash" / "config.pbtxt").write_text("backend: 'python'\n")  # no proposer parameter: refused
+    with pytest.raises(DFlashError, match="no model sets the 'proposer' parameter"):
+        override_parameter(built, tmp_path / "view2", "proposer", "none")
