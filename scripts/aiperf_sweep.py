@@ -177,6 +177,28 @@ class Server:
                 raise SystemExit(f"serve --proposer {proposer} did not become ready; see {log}")
             time.sleep(1.0)  # a poll with a deadline: the server says nothing when it is ready but /health
 
+    def engine_pid(self) -> int:
+        """The engine model's Python-backend stub among the server's descendants (for py-spy)."""
+        kids: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(pid)
+        todo, found = [self.proc.pid], []
+        while todo:
+            pid = todo.pop()
+            todo += kids.get(pid, [])
+            try:
+                if "/dflash/1/model.py" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    found.append(pid)
+            except OSError:
+                continue
+        if not found:
+            raise SystemExit("py-spy: the engine model's stub process was not found under the server")
+        return max(found)
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.openai}/health", timeout=2) as r:
@@ -226,7 +248,8 @@ def sent_prompts(inputs_json: Path) -> list[str]:
     return out
 
 
-def run_grpc(args, srv: Server, cdir: Path, conc: int, prompts: list[str], fixed_osl: bool) -> dict:
+def run_grpc(args, srv: Server, cdir: Path, conc: int, prompts: list[str], fixed_osl: bool, spy=False) -> dict:
+    """scripts/load.py --stream on dflash_bls; spy: py-spy the engine's stub meanwhile (pyspy.txt, raw)."""
     cdir.mkdir(parents=True, exist_ok=True)
     pfile = cdir / "prompts.jsonl"
     pfile.write_text("".join(json.dumps({"text": t}) + "\n" for t in prompts))
@@ -234,7 +257,18 @@ def run_grpc(args, srv: Server, cdir: Path, conc: int, prompts: list[str], fixed
     cmd += ["--requests", str(max(args.min_requests, conc)), "--concurrency", str(conc), "--max-tokens", str(args.osl)]
     cmd += ["--prompts-file", str(pfile), "--perf-metrics", "--duration", str(args.cell_timeout)]
     cmd += ["--ignore-eos"] if fixed_osl else []
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout + 30)
+    rec = None
+    if spy:
+        rec = [args.py_spy, "record", "-p", str(srv.engine_pid()), "-r", "25", "--nonblocking", "--idle", "-f", "raw"]
+        rec = subprocess.Popen(
+            rec + ["-o", str(cdir / "pyspy.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout + 30)
+    finally:
+        if rec is not None:
+            rec.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
+            rec.wait(60)
     (cdir / "load.json").write_text(res.stdout)
     return json.loads(res.stdout)
 
@@ -245,7 +279,7 @@ def write_results(args, out: Path, rows: list[dict], contention: dict) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": f"{os.cpu_count()} CPUs, shared with other jobs (see contention)",
-        "settings": {k: v for k, v in vars(args).items() if k != "aiperf"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("aiperf", "py_spy")},
         "contention": contention,
         "rows": rows,
     }
@@ -275,7 +309,11 @@ def sweep(args) -> dict:
                         print(f"{proposer} {dataset} openai c{conc}: {row['output_tok_s']:.1f} tok/s", flush=True)
                     prompts = sent_prompts(exports[args.concurrency[0]].parent / "inputs.json")
                     for conc in args.concurrency:
-                        rep = run_grpc(args, srv, out / proposer / dataset / f"grpc-c{conc}", conc, prompts, not pfile)
+                        cdir, spy = (
+                            out / proposer / dataset / f"grpc-c{conc}",
+                            proposer == args.spy_proposer and not pfile,
+                        )
+                        rep = run_grpc(args, srv, cdir, conc, prompts, not pfile, spy)
                         row = parse_load(rep)
                         rows.append({"proposer": proposer, "dataset": dataset, "endpoint": "grpc (load.py)",
                                      "concurrency": conc, **row})  # fmt: skip
@@ -300,6 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--osl", type=int, default=32, help="output tokens (exact for synthetic, at most for real)")
     ap.add_argument("--duration", type=float, default=6.0, help="AIPerf: seconds each cell sends new requests")
     ap.add_argument("--min-requests", type=int, default=4, help="gRPC: requests per cell, max(this, concurrency)")
+    ap.add_argument(
+        "--py-spy", dest="spy_proposer", default=None, help="py-spy this proposer's synthetic gRPC cells (engine stub)"
+    )
+    ap.add_argument("--py-spy-bin", dest="py_spy", default=str(ROOT / ".aiperf-venv/bin/py-spy"))
     ap.add_argument("--cell-timeout", type=float, default=600.0, help="seconds one cell may take")
     args = ap.parse_args(argv)
     args.proposers = [p for p in args.proposers.split(",") if p]

@@ -114,3 +114,34 @@ def test_load_itl_and_engine_times():
     assert times["engine_draft_ms_per_step"] == pytest.approx(50.0)
     assert times["engine_busy_share"] == pytest.approx(0.5) and math.isclose(times["engine_prefill_ms"], 200.0)
     assert load.engine_times([{"perf_metrics": None}]) == {}
+
+
+def test_profile_phases_from_py_spy_raw_stacks():
+    prof = _load("aiperf_sweep_profile")
+    raw = "\n".join(
+        [
+            "thread (1);_loop (dflash_trt/serving/orchestrator.py:200);_step (dflash_trt/serving/orchestrator.py:294);"
+            "step (dflash_trt/decoding/engine.py:211);_round (dflash_trt/decoding/engine.py:219);"
+            "verify (dflash_trt/decoding/engine.py:340);forward (torch/nn/modules/module.py:1) 6",
+            "thread (1);_round (dflash_trt/decoding/engine.py:219);propose (dflash_trt/decoding/engine.py:260) 2",
+            "thread (1);_admit (dflash_trt/serving/orchestrator.py:275);"
+            "add_requests (dflash_trt/decoding/engine.py:170);verify (dflash_trt/decoding/engine.py:340) 1",
+            "thread (1);_loop (dflash_trt/serving/orchestrator.py:200);wait (threading.py:320) 1",
+            "thread (2);execute (/repo/dflash/1/model.py:300) 1",
+            "not a sample line",
+        ]
+    )
+    shares = prof.summarize(raw)  # 11 samples; the prefill's verify frame does not make it a verify
+
+    assert shares == pytest.approx(
+        {
+            "verify (target forward)": 6 / 11,
+            "draft (drafter / copy)": 2 / 11,
+            "prefill (new rows)": 1 / 11,
+            "idle (waiting)": 1 / 11,
+            "Triton execute (parse requests)": 1 / 11,
+        }
+    )
+    table = prof.table({"c1": shares, "c16": {}}).splitlines()
+    assert table[0] == "| phase | c1 | c16 |" and "| verify (target forward) | 55% | 0% |" in table
+    assert prof.summarize("") == {}
