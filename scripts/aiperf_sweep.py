@@ -218,11 +218,11 @@ class Server:
         return self.proc.returncode
 
 
-def run_aiperf(args, srv: Server, adir: Path, prompts_file: Path | None) -> dict[int, Path]:
+def run_aiperf(args, srv: Server, adir: Path, prompts_file: Path | None, concs: list[int]) -> dict[int, Path]:
     """One AIPerf sweep over every concurrency (its start-up, ~1 min here, paid once): each cell sends for
     --duration seconds, then waits for the requests in flight (grace). -> concurrency: its export."""
     cmd = [args.aiperf, "profile", "-m", "target", "--url", f"http://127.0.0.1:{srv.openai}", "--endpoint-type"]
-    cmd += ["chat", "--streaming", "--tokenizer", args.tokenizer, "--concurrency", ",".join(map(str, args.concurrency))]
+    cmd += ["chat", "--streaming", "--tokenizer", args.tokenizer, "--concurrency", ",".join(map(str, concs))]
     cmd += ["--benchmark-duration", str(args.duration), "--benchmark-grace-period", str(args.cell_timeout)]
     cmd += ["--use-server-token-count", "--ui", "none", "--random-seed", "0", "--no-gpu-telemetry"]
     cmd += ["--artifact-dir", str(adir), "--extra-inputs", "temperature:0", "--osl", str(args.osl)]
@@ -233,9 +233,9 @@ def run_aiperf(args, srv: Server, adir: Path, prompts_file: Path | None) -> dict
         cmd += ["--input-file", str(prompts_file), "--custom-dataset-type", "single_turn"]
     adir.parent.mkdir(parents=True, exist_ok=True)
     with open(adir.parent / f"{adir.name}.log", "wb") as log:
-        timeout = len(args.concurrency) * (args.duration + args.cell_timeout) + 300
+        timeout = len(concs) * (args.duration + args.cell_timeout) + 300
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout)
-    return {c: adir / f"concurrency_{c}" / "profile_export_aiperf.json" for c in args.concurrency}
+    return {c: adir / f"concurrency_{c}" / "profile_export_aiperf.json" for c in concs}
 
 
 def sent_prompts(inputs_json: Path) -> list[str]:
@@ -300,15 +300,15 @@ def sweep(args) -> dict:
         with CpuWatch(children=True) as watch:  # the server, AIPerf and load.py are ours, not "others"
             srv = Server(args.model_repo, proposer, out / f"serve-{proposer}.log")
             try:
-                for dataset, pfile in (("synthetic", None), ("varied", real)):
-                    exports = run_aiperf(args, srv, out / proposer / dataset / "openai", pfile)
+                for dataset, pfile, concs in (("synthetic", None, args.concurrency), ("varied", real, args.real_conc)):
+                    exports = run_aiperf(args, srv, out / proposer / dataset / "openai", pfile, concs)
                     for conc, export in exports.items():
                         row = parse_aiperf(export)
                         rows.append({"proposer": proposer, "dataset": dataset, "endpoint": "openai (aiperf)",
                                      "concurrency": conc, **row})  # fmt: skip
                         print(f"{proposer} {dataset} openai c{conc}: {row['output_tok_s']:.1f} tok/s", flush=True)
-                    prompts = sent_prompts(exports[args.concurrency[0]].parent / "inputs.json")
-                    for conc in args.concurrency:
+                    prompts = sent_prompts(exports[concs[0]].parent / "inputs.json")
+                    for conc in concs:
                         cdir, spy = (
                             out / proposer / dataset / f"grpc-c{conc}",
                             proposer == args.spy_proposer and not pfile,
@@ -334,6 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--aiperf", default=str(ROOT / ".aiperf-venv/bin/aiperf"), help="the aiperf binary")
     ap.add_argument("--proposers", default=",".join(PROPOSERS), help="comma-separated (none = plain decoding)")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated")
+    ap.add_argument("--real-concurrency", default=None, help="for the real prompts (default: --concurrency)")
     ap.add_argument("--isl", type=int, default=128, help="synthetic prompt tokens")
     ap.add_argument("--osl", type=int, default=32, help="output tokens (exact for synthetic, at most for real)")
     ap.add_argument("--duration", type=float, default=6.0, help="AIPerf: seconds each cell sends new requests")
@@ -346,6 +347,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.proposers = [p for p in args.proposers.split(",") if p]
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.real_conc = [int(c) for c in (args.real_concurrency or "").split(",") if c] or args.concurrency
     if not Path(args.aiperf).is_file():
         ap.error(
             f"--aiperf {args.aiperf}: not found (python3 -m venv .aiperf-venv && .aiperf-venv/bin/pip install aiperf)"
