@@ -219,8 +219,9 @@ class Server:
 
 
 def run_aiperf(args, srv: Server, adir: Path, prompts_file: Path | None, concs: list[int]) -> dict[int, Path]:
-    """One AIPerf sweep over every concurrency (its start-up, ~1 min here, paid once): each cell sends for
-    --duration seconds, then waits for the requests in flight (grace). -> concurrency: its export."""
+    """One AIPerf sweep over the concurrencies (AIPerf still starts its services again for each cell, ~40 s
+    on this machine): each cell sends for --duration seconds, then waits for the requests in flight
+    (grace). -> concurrency: its export."""
     cmd = [args.aiperf, "profile", "-m", "target", "--url", f"http://127.0.0.1:{srv.openai}", "--endpoint-type"]
     cmd += ["chat", "--streaming", "--tokenizer", args.tokenizer, "--concurrency", ",".join(map(str, concs))]
     cmd += ["--benchmark-duration", str(args.duration), "--benchmark-grace-period", str(args.cell_timeout)]
