@@ -98,6 +98,7 @@ def parse_load(report: dict) -> dict:
         "itl_p50_ms": ms("itl_p50_s"),
         "latency_p50_ms": ms("latency_p50_s"),
         "osl_mean": report["output_tokens"] / report["ok"] if report["ok"] else None,
+        "tau": report.get("mean_acceptance_length"),  # tokens per verify pass (AIPerf cannot see it)
     }
     row.update({k: v for k, v in report.items() if k.startswith("engine_")})
     return row

@@ -62,11 +62,12 @@ def test_parse_load_converts_seconds_to_ms_and_keeps_engine_timings():
         "itl_p50_s": 0.08,
         "latency_p50_s": float("nan"),  # no samples: reported as missing, not as NaN ms
         "engine_verify_ms_per_step": 50.0,
+        "mean_acceptance_length": 1.5,
     }
     row = sweep.parse_load(report)
     assert row["requests"] == 8 and row["errors"] == 2 and row["osl_mean"] == 24.0
     assert row["ttft_p50_ms"] == 250.0 and row["ttft_p99_ms"] == 500.0 and row["itl_p50_ms"] == pytest.approx(80.0)
-    assert row["latency_p50_ms"] is None and row["engine_verify_ms_per_step"] == 50.0
+    assert row["latency_p50_ms"] is None and row["engine_verify_ms_per_step"] == 50.0 and row["tau"] == 1.5
 
 
 def test_speedups_compare_within_the_same_cell_only():
