@@ -38,20 +38,29 @@ def _snapshot() -> tuple[float | None, float, float]:
     return _machine_busy_s(), time.process_time(), time.perf_counter()
 
 
+def _children_s() -> float:
+    """CPU-s of this process's children that have ended and been waited for (a server started and stopped)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 class CpuWatch:
     """with CpuWatch() as w: ...timed work...; then w.others_share is the fraction of the machine's
-    CPU capacity (all cores) that processes other than this one used meanwhile."""
+    CPU capacity (all cores) that processes other than this one used meanwhile. children=True counts
+    this process's children as its own (they must have ended and been waited for inside the block)."""
 
-    def __init__(self, cpus: int | None = None):
+    def __init__(self, cpus: int | None = None, children: bool = False):
         self.cpus = cpus or os.cpu_count() or 1
+        self.children = children
         self.others_share: float | None = None
 
     def __enter__(self) -> CpuWatch:
-        self._start = _snapshot()
+        self._start, self._kids = _snapshot(), (_children_s() if self.children else 0.0)
         return self
 
     def __exit__(self, *exc) -> None:
         (busy0, own0, t0), (busy1, own1, t1) = self._start, _snapshot()
+        own1 += (_children_s() if self.children else 0.0) - self._kids
         wall = t1 - t0
         if busy0 is None or busy1 is None or wall <= 0:
             return

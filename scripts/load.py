@@ -6,8 +6,11 @@ flight, stopped at --duration seconds; reports throughput and latency percentile
 
 Non-streaming requests are unary `infer` calls on --model (default dflash_unary); --stream sends
 them over gRPC streams to --stream-model (default dflash_bls) and also measures time to first
-chunk. Prompts cycle through --prompt (repeatable) or a built-in set. Prints a table, or JSON
-with --json. Exit code 1 if any request failed.
+chunk and the inter-token latency ((latency - ttft) / (tokens - 1), AIPerf's definition). Prompts
+cycle through --prompt (repeatable), --prompts-file (jsonl, {"text": ...} per line) or a built-in set;
+--ignore-eos sends end_id -1 (fixed output lengths); --perf-metrics asks the engine for its own timings
+(per request: prefill, draft and verify seconds, steps) and reports their means per step. Prints a
+table, or JSON with --json. Exit code 1 if any request failed.
 """
 
 from __future__ import annotations
@@ -46,9 +49,42 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def _sampling(args) -> dict:
+    return {
+        "temperature": args.temperature,
+        "end_id": -1 if args.ignore_eos else None,
+        "return_perf_metrics": args.perf_metrics,
+    }
+
+
+def engine_times(results: list[dict]) -> dict:
+    """Means over requests of the engine's own timings (orchestrator perf_metrics): ms per draft / verify
+    pass of the batch the request rode in, prefill ms, and the share of its end-to-end time the engine
+    spent computing its batch's passes (the rest: waiting for a row, other requests' prefills, the
+    Python backend and the front door)."""
+    perf = [r["perf_metrics"] for r in results if r.get("perf_metrics")]
+    if not perf:
+        return {}
+    steps = [max(1, sum(s["steps"] for s in p["sources"].values())) for p in perf]
+    busy = [p["prefill_time"] + p["draft_time"] + p["verify_time"] for p in perf]
+    return {
+        "engine_verify_ms_per_step": 1e3 * statistics.fmean(p["verify_time"] / n for p, n in zip(perf, steps)),
+        "engine_draft_ms_per_step": 1e3 * statistics.fmean(p["draft_time"] / n for p, n in zip(perf, steps)),
+        "engine_prefill_ms": 1e3 * statistics.fmean(p["prefill_time"] for p in perf),
+        "engine_steps_per_request": statistics.fmean(steps),
+        "engine_busy_share": statistics.fmean(b / p["e2e_time"] for b, p in zip(busy, perf) if p["e2e_time"] > 0),
+    }
+
+
+def _itl(r: dict) -> float | None:
+    """Mean time between tokens after the first: (latency - ttft) / (tokens - 1), as AIPerf defines it."""
+    n = r.get("num_output_tokens") or 0
+    return (r["latency"] - r["ttft"]) / (n - 1) if r.get("ttft") is not None and n > 1 else None
+
+
 async def one_unary(client, args, prompt: str) -> dict:
     t0 = time.perf_counter()
-    res = await client.infer(args.model, build_inputs(prompt, args.max_tokens, temperature=args.temperature))
+    res = await client.infer(args.model, build_inputs(prompt, args.max_tokens, **_sampling(args)))
     r = parse_result(res)
     r["latency"] = time.perf_counter() - t0
     return r
@@ -56,7 +92,7 @@ async def one_unary(client, args, prompt: str) -> dict:
 
 async def one_stream(client, args, prompt: str) -> dict:
     t0 = time.perf_counter()
-    inputs = build_inputs(prompt, args.max_tokens, temperature=args.temperature, stream=True)
+    inputs = build_inputs(prompt, args.max_tokens, stream=True, **_sampling(args))
 
     async def requests():
         yield {
@@ -84,7 +120,7 @@ async def run(args) -> dict:
     from tritonclient.grpc.aio import InferenceServerClient
 
     client = InferenceServerClient(args.url)
-    prompts = args.prompt or PROMPTS
+    prompts = args.prompt or (_read_prompts(args.prompts_file) if args.prompts_file else PROMPTS)
     results, errors = [], []
     sem = asyncio.Semaphore(args.concurrency)
     deadline = time.perf_counter() + args.duration
@@ -111,6 +147,7 @@ async def run(args) -> dict:
     wall = time.perf_counter() - t0
     lat = [r["latency"] for r in results]
     ttft = [r["ttft"] for r in results if r.get("ttft") is not None]
+    itl = [x for x in map(_itl, results) if x is not None]
     out_tokens = sum(r.get("num_output_tokens") or 0 for r in results)
     drafted = sum(r.get("total_draft_tokens") or 0 for r in results)
     accepted = sum(r.get("total_accepted_draft_tokens") or 0 for r in results)
@@ -128,11 +165,16 @@ async def run(args) -> dict:
             [r["acceptance_length"] for r in results if r.get("acceptance_length")] or [0.0]
         ),
     }
-    for name, xs in (("latency", lat), ("ttft", ttft)):
+    for name, xs in (("latency", lat), ("ttft", ttft), ("itl", itl)):
         for q in (0.5, 0.9, 0.99):
             report[f"{name}_p{int(q * 100)}_s"] = percentile(xs, q)
+    report.update(engine_times(results))
     report["errors"] = errors[:5]
     return report
+
+
+def _read_prompts(path: str) -> list[str]:
+    return [json.loads(line)["text"] for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def main(argv=None) -> int:
@@ -147,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a built-in set")
+    ap.add_argument("--prompts-file", help='jsonl, one {"text": "..."} per line (AIPerf single_turn)')
+    ap.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens (end_id -1)")
+    ap.add_argument("--perf-metrics", action="store_true", help="report the engine's own per-step timings")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     host = args.url.rsplit(":", 1)[0]

@@ -62,3 +62,13 @@ def test_a_busy_child_counts_and_our_own_work_does_not():
     finally:
         child.wait()
     assert busy.others_share > idle.others_share + 0.6 / cpus  # one core of `cpus`, minus scheduling slack
+
+
+def test_children_count_as_our_own_time(monkeypatch):
+    # a server we started and waited for used 1.5 of the 3 busy CPU-s: others 0.5 of 4 -> 12.5%
+    _fake(monkeypatch, (100.0, 10.0, 5.0), (103.0, 11.0, 7.0))
+    kids = iter([2.0, 3.5])
+    monkeypatch.setattr(contention, "_children_s", lambda: next(kids))
+    with CpuWatch(cpus=2, children=True) as w:
+        pass
+    assert w.others_share == pytest.approx(0.125)

@@ -57,6 +57,22 @@ def test_ngram_proposer_greedy_equals_target_and_copies():
     assert src["drafter"]["drafts"] == 0 and src["copied"]["accepted"] > 0, src  # the drafter never drafted
 
 
+def test_none_proposer_is_plain_decoding():
+    """proposer=none (the served baseline): the target's own output, one verified token per step (stats
+    summed over 3 rows), and the drafter never runs (a drafter that raises on use proves it); cutoffs are
+    refused in one line."""
+    t = _looping_target()
+    d = tiny_drafter(t, block_size=4)
+    d.inject_context = d.forward = None  # any drafter call fails
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    out = generate(t, d, prompts, params, kernels="torch", proposer="none")
+    assert out.tokens == generate_baseline(t, prompts, params).tokens
+    assert out.stats.num_verify_steps == 3 * 19 and out.stats.sources["drafter"]["drafts"] == 0, out.stats.sources
+    with pytest.raises(DFlashError, match="proposer=none: plain decoding verifies no drafts"):
+        SpecEngine(t, d, kernels="torch", proposer="none", draft_cutoff=0.3)
+
+
 def test_hybrid_with_draft_cutoff_stays_exact():
     t = _looping_target()
     d = tiny_drafter(t, block_size=4)

@@ -25,7 +25,13 @@ from dflash_trt.serving.protocol import (
     progress_from,
     token_outputs,
 )
-from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, placeholders
+from dflash_trt.serving.repo import (
+    default_template_dir,
+    default_values,
+    fill_model_repo,
+    override_parameter,
+    placeholders,
+)
 from dflash_trt.serving.stops import TextStop, cut, holdback
 from dflash_trt.serving.text import StreamDetokenizer, TextCodec, join_stop_sequences, split_stop_sequences, text_delta
 from dflash_trt.serving.trtllm_inputs import bad_word_variants, flatten_words
@@ -326,3 +332,20 @@ def test_sampling_is_validated_by_sampling_params_alone():
     assert Sampling(4, end_id=7, temperature=0.5).to_params((2,)) == SamplingParams(
         max_new_tokens=4, temperature=0.5, stop_token_ids=(2, 7), ignore_eos=True
     )
+
+
+def test_override_parameter_changes_one_line_and_writes_nothing_in_the_build(tmp_path):
+    """serve --proposer: a view of the built repository with the engine's proposer changed."""
+    built = fill_model_repo(default_template_dir(), tmp_path / "repo", default_values(tmp_path / "t", tmp_path / "d"))
+    before = {p: p.read_bytes() for p in built.rglob("*") if p.is_file()}
+    view = override_parameter(built, tmp_path / "view", "proposer", "none")
+    engine_cfg = (view / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "proposer" value: { string_value: "none" }' in engine_cfg
+    assert engine_cfg.replace('"none" }', '"dflash" }') == (built / "dflash" / "config.pbtxt").read_text()
+    assert (view / "dflash" / "1").resolve() == (built / "dflash" / "1").resolve()
+    assert {p.name for p in view.iterdir()} == {p.name for p in built.iterdir()}
+    assert all((view / m).is_symlink() for m in ("ensemble", "dflash_bls", "dflash_unary"))
+    assert {p: p.read_bytes() for p in built.rglob("*") if p.is_file()} == before
+    (built / "dflash" / "config.pbtxt").write_text("backend: 'python'\n")  # no proposer parameter: refused
+    with pytest.raises(DFlashError, match="no model sets the 'proposer' parameter"):
+        override_parameter(built, tmp_path / "view2", "proposer", "none")

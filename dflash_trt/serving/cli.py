@@ -10,11 +10,12 @@ import click
 
 from dflash_trt.api import resolve_target_dir
 from dflash_trt.cli_shared import friendly_errors
+from dflash_trt.decoding.proposers import PROPOSERS
 from dflash_trt.errors import DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.serving.client import DFlashClient
 from dflash_trt.serving.openai_guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
-from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo
+from dflash_trt.serving.repo import default_template_dir, default_values, fill_model_repo, override_parameter
 from dflash_trt.serving.serve_loop import serve as run
 from dflash_trt.serving.server import DEFAULT_GRACE_PERIOD
 from dflash_trt.serving.triton_env import HOST, local_host
@@ -85,6 +86,13 @@ def register(main: click.Group) -> None:
         help="Seconds requests in flight may still run after Ctrl-C / SIGTERM; then each gets a "
         "'server is shutting down' error. A second Ctrl-C ends them at once.",
     )
+    @click.option(
+        "--proposer",
+        default=None,
+        type=click.Choice(list(PROPOSERS)),
+        help="Override the repository's proposer for this run (the same build; none = plain decoding, no "
+        "drafts). Default: the one it was built with.",
+    )
     @friendly_errors
     def serve(
         model_repo,
@@ -98,6 +106,7 @@ def register(main: click.Group) -> None:
         openai_host,
         served_model_name,
         grace_period,
+        proposer,
         grpc_address,
         http_address,
         metrics_address,
@@ -113,8 +122,12 @@ def register(main: click.Group) -> None:
 
             out = out or tempfile.mkdtemp(prefix="dflash-repo-")
             model_repo = fill_model_repo(
-                default_template_dir(), out, default_values(resolve_target_dir(target), drafter_dir)
+                default_template_dir(),
+                out,
+                default_values(resolve_target_dir(target), drafter_dir, proposer=proposer or "dflash"),
             )
+        elif proposer is not None:  # a view of the built repository with the engine's proposer changed
+            model_repo = override_parameter(model_repo, tempfile.mkdtemp(prefix="dflash-repo-"), "proposer", proposer)
         api = None
         if openai_port is not None:
             # deferred: fastapi/uvicorn (the `serve` extra) load only when the API is asked for

@@ -201,3 +201,34 @@ def _parameters(config: Path) -> dict[str, str]:
         raise DFlashError(f"{config}: not found; --model-repo must be a repository filled by `dflash-trt build`")
     cfg = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
     return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def override_parameter(model_repo: str | Path, out_dir: str | Path, key: str, value: str) -> Path:
+    """A view of a filled repository with one engine parameter changed for this run (`serve --proposer`):
+    the same build, the repository itself never written. out_dir gets a link to every model folder, except
+    the models whose config.pbtxt sets `key`: a folder of links to their files with that line rewritten."""
+    model_repo, out_dir = Path(model_repo).resolve(), Path(out_dir)
+    pattern = re.compile(
+        r'(parameters\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*"'
+    )
+    value = _text(key, value)
+    found = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for model in sorted(model_repo.iterdir()):
+        cfg = model / "config.pbtxt"
+        text = cfg.read_text() if cfg.is_file() else ""
+        if not pattern.search(text):
+            (out_dir / model.name).symlink_to(model)
+            continue
+        found.append(model.name)
+        (out_dir / model.name).mkdir()
+        for f in model.iterdir():
+            if f.name != "config.pbtxt":
+                (out_dir / model.name / f.name).symlink_to(f)
+        (out_dir / model.name / "config.pbtxt").write_text(pattern.sub(lambda m: m.group(1) + value + '"', text))
+    if not found:
+        raise DFlashError(
+            f"{model_repo}: no model sets the {key!r} parameter (not a dflash-trt torch-engine repository?); "
+            f"rebuild it with {key} in build.yaml instead"
+        )
+    return out_dir
