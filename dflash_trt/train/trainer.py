@@ -156,6 +156,12 @@ class TrainConfig:
             raise ConfigError(f"kd_weight={self.kd_weight}: soft labels train plain DFlash only, not {mod.LABEL}")
         if self.freeze_backbone and (not self.init_from or plain):
             raise ConfigError("freeze_backbone: needs init_from and a family with heads of its own (not dflash)")
+        mismatch = getattr(mod, "backbone_mismatch", None)  # the head drafts the token after the backbone's
+        why = mismatch({**mod.DEFAULTS, **fields}) if self.init_from and mismatch else None
+        if why:
+            raise ConfigError(
+                f"init_from={self.init_from}: a DFlash backbone's block position k predicts token a+k; {why}"
+            )
 
 
 def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
