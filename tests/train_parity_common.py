@@ -100,7 +100,7 @@ def step_equal(ours, theirs, lr=3e-3, total=100, warmup_ratio=0.04, grad_clip=0.
 
     Adam's first update is lr * g / (|g| + 1e-8) per entry: it equals the other side's wherever the
     gradient is well above the two sides' gradient difference (10x REL of its tensor's largest entry, and
-    1e-6 so that Adam's eps is negligible),
+    1e-6 after clipping so that Adam's eps is negligible),
     and is at most lr anywhere; the weights then agree to that plus fp32 rounding of the weight."""
     from dflash_trt.train.objective import cosine_lr
 
@@ -112,13 +112,15 @@ def step_equal(ours, theirs, lr=3e-3, total=100, warmup_ratio=0.04, grad_clip=0.
     BF16Optimizer(theirs, lr=lr, max_grad_norm=grad_clip, total_steps=total, warmup_ratio=warmup_ratio).step()
     pt = dict(theirs.named_parameters())
     assert grads
+    norm = float(torch.stack([g.square().sum() for g in grads.values()]).sum().sqrt())
+    clip = min(1.0, grad_clip / (norm + 1e-6))  # both scale every gradient by this before Adam
     for n, p in ours.named_parameters():
         if n not in grads:
             assert torch.equal(p, before[n]) and torch.equal(pt[n], before[n]), f"{n} moved without a gradient"
             continue
         mine, sfs = p.detach() - before[n], pt[n].detach() - before[n]
         g = grads[n].abs()
-        sure = g > max(10 * REL * float(g.max()), 1e-6)
+        sure = g > max(10 * REL * float(g.max()), 1e-6 / clip)
         atol = REL * step_lr + 4 * torch.finfo(torch.float32).eps * float(before[n].abs().max())
         torch.testing.assert_close(mine[sure], sfs[sure], rtol=0, atol=atol, msg=f"update of {n}")
         assert float(mine.abs().max()) <= step_lr * (1 + 1e-4) + atol, n
