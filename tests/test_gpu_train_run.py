@@ -130,7 +130,7 @@ def test_run_end_to_end_on_cpu(g, tmp_path, monkeypatch, family):
             "--family",
             family,
             "--family-fields",
-            '{"markov_rank": 16}' if family == "dspark" else "{}",
+            '{"markov_rank": 16, "sample_from_anchor": false}' if family == "dspark" else "{}",
             *warm,
         ],
     )

@@ -84,7 +84,7 @@ def test_dspark_warm_start_with_frozen_backbone_and_domino_from_cli(tmp_path, ca
     data = write_corpus(tmp_path / "data", *corpus(t, 8, 0, 256, max_new=16))
     base = dict(data=str(data), block_size=4, batch_size=4, bf16=False, anchors_per_seq=4, save_every=1)
     backbone = train(TrainConfig(out=str(tmp_path / "bb"), epochs=2, **base), target=t, progress=False)
-    fields = {"markov_rank": 16, "confidence_head_alpha": 1.0}
+    fields = {"markov_rank": 16, "confidence_head_alpha": 1.0, "sample_from_anchor": False}  # a DFlash backbone
     cfg = dict(base, family="dspark", family_fields=fields, init_from=str(backbone), freeze_backbone=True)
     train(TrainConfig(out=str(tmp_path / "ds"), max_steps=1, **cfg), target=t, progress=False)
     out = train(TrainConfig(out=str(tmp_path / "ds"), epochs=2, **cfg), target=t, progress=False)  # resumed

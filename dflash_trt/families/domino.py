@@ -135,6 +135,13 @@ def init_heads(drafter) -> None:
         w.normal_(0.0, 1.0 / (w.shape[1] ** 0.5 * scale))
 
 
+def backbone_mismatch(fields: dict) -> str | None:
+    """As dspark.backbone_mismatch: with shift_label, position k drafts token a+k+1."""
+    if fields["shift_label"]:
+        return "family_fields.shift_label=true drafts token a+k+1 from it: set shift_label to false"
+    return None
+
+
 def train_logits(drafter, hidden, block_ids, labels) -> torch.Tensor:
     """The draft logits propose computes when its drafts are the labels: hidden [N, J, B, d] of the
     training forward, block_ids [N, J, B], labels [N, J, B-1] -> [N, J, B-1, V] float32."""

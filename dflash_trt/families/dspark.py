@@ -251,6 +251,16 @@ def init_heads(drafter) -> None:
             drafter.confidence_head.proj.bias.zero_()
 
 
+def backbone_mismatch(fields: dict) -> str | None:
+    """Why a plain DFlash backbone (init_from: block position k predicts token a+k) cannot start this
+    head, or None. With sample_from_anchor the hidden state of position k drafts token a+k+1, so the
+    warm-started drafter would begin one token off what its backbone learnt, and a frozen backbone
+    never recovers (docs/training.md: the 2026-12-06 DSpark regression)."""
+    if fields["sample_from_anchor"]:
+        return "family_fields.sample_from_anchor=true drafts token a+k+1 from it: set sample_from_anchor to false"
+    return None
+
+
 def train_logits(drafter, hidden, block_ids, labels) -> torch.Tensor:
     """The draft logits propose computes when its drafts are the labels: hidden [N, J, B, d] of the
     training forward, block_ids [N, J, B], labels [N, J, B-1] -> [N, J, B-1, V] float32."""

@@ -12,6 +12,8 @@ block. The mask is [J*B, S + J*B] per sequence: O(J*B*S), never O(S^2) per block
 
 dflash_loss is plain DFlash's loss; family_loss is every family's (plain DFlash's included): the same
 forward, then the family module's train_terms (dflash_trt/families) reduced with the same weights.
+The update rule (make_optimizer, optimizer_step, cosine_lr) is here too, next to the loss it steps:
+tests/test_train_parity_*.py hold both against SpecForge 0.2.0's training code.
 """
 
 from __future__ import annotations
@@ -344,8 +346,30 @@ def dpace_loss(
     return LossOutput(loss, stats.accuracy, stats.accepted, stats.num_blocks)
 
 
+# AdamW's betas. SpecForge 0.2.0 keeps torch's (0.9, 0.999); the first step is the same either way
+# (Adam's bias correction), later ones differ (tests/test_train_parity_dflash.py pins it; docs/training.md)
+ADAM_BETAS = (0.9, 0.95)
+
+
+def make_optimizer(params: list, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=ADAM_BETAS)
+
+
+def optimizer_step(opt: torch.optim.Optimizer, params: list, lr: float, grad_clip: float) -> None:
+    """One update from the gradients in params: every group at lr, the global norm clipped to
+    grad_clip (coefficient grad_clip / (norm + 1e-6), as SpecForge's BF16Optimizer), then the step."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+
+
 def cosine_lr(step: int, total: int, peak: float, warmup_ratio: float) -> float:
-    warm = max(1, int(math.ceil(total * warmup_ratio)))
+    """The lr of optimizer step `step` (0-based) of `total`: linear warmup over int(warmup_ratio * total)
+    steps (SpecForge 0.2.0's CosineAnnealingWarmupLR count, none when that is 0), then cosine to 0.
+    SpecForge chains torch's recursive CosineAnnealingLR, which strays from this closed form by a
+    little at the hand-over step (tests/test_train_parity_dflash.py bounds it)."""
+    warm = int(warmup_ratio * total)
     if step < warm:
         return peak * (step + 1) / warm
     t = (step - warm) / max(1, total - warm)

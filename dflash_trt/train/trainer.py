@@ -51,7 +51,9 @@ from dflash_trt.train.objective import (
     dpace_loss,
     family_loss,
     make_blocks,
+    make_optimizer,
     next_tokens,
+    optimizer_step,
     sample_anchors,
 )
 from dflash_trt.train.precondition import use_tap_scaling
@@ -153,6 +155,12 @@ class TrainConfig:
             raise ConfigError(f"kd_weight={self.kd_weight}: soft labels train plain DFlash only, not {mod.LABEL}")
         if self.freeze_backbone and (not self.init_from or plain):
             raise ConfigError("freeze_backbone: needs init_from and a family with heads of its own (not dflash)")
+        mismatch = getattr(mod, "backbone_mismatch", None)  # the head drafts the token after the backbone's
+        why = mismatch({**mod.DEFAULTS, **fields}) if self.init_from and mismatch else None
+        if why:
+            raise ConfigError(
+                f"init_from={self.init_from}: a DFlash backbone's block position k predicts token a+k; {why}"
+            )
 
 
 def frequent_tokens(seqs: list[dict], n: int) -> torch.Tensor:
@@ -335,7 +343,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
             layers, store = offline_features(cfg, target, dcfg, seqs, out, layers)
     drafter = _make_drafter(cfg, target, dcfg, vocab, state, seqs, store)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     per_epoch = math.ceil(len(seqs) / cfg.batch_size)
     total = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
@@ -353,8 +361,6 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
     t0, seen, res = time.perf_counter(), 0, None
     while step < stop_at:
         lr = cosine_lr(step, total, cfg.lr, cfg.warmup_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
         opt.zero_grad(set_to_none=True)
         part = torch.zeros((), device=target.device)  # this rank's part of the last micro-batch's global loss
         for m in range(cfg.grad_accum):
@@ -371,8 +377,7 @@ def train(cfg: TrainConfig, target=None, progress: bool = True) -> Path:
                 part = loss.detach().float()
             seen += tokens
         distributed.all_reduce_grads(params)
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        optimizer_step(opt, params, lr, cfg.grad_clip)
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == stop_at:
