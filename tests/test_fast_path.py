@@ -235,7 +235,7 @@ def test_graph_options_fail_clearly(target):
     drafter = kernel_drafter(target, 4)
     with pytest.raises(DFlashError, match="cuda_graph='on' needs the Triton kernels on a CUDA device"):
         SpecEngine(target, drafter, kernels="torch", cuda_graph="on")
-    with pytest.raises(DFlashError, match="cuda_graph='maybe': expected one of auto, on, off"):
+    with pytest.raises(DFlashError, match="cuda_graph='maybe': choose one of auto, on, off"):
         SpecEngine(target, drafter, cuda_graph="maybe")
     assert SpecEngine(target, drafter).graphs is None  # auto on a CPU model: eager
     assert SpecEngine(target, drafter, kernels="triton").graphs is None  # interpreter, no CUDA: eager
