@@ -179,8 +179,7 @@ class TargetModel(nn.Module):
         if R == 1 and tree is None and n == 1:
             visible = None  # one token appended to one row sees every slot < upto: no mask to build or apply
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, positions)  # [R, n, D]
-        rot = (cos[:, :, None], step_ops.signed_sin(sin)[:, :, None])  # [R, n, 1, D], shared by every layer
+        rot = self.rotation(x, positions)  # shared by every layer
         # one row: its n slots are contiguous, so the cache takes a slice copy instead of a scatter
         at = int(cache.lengths[0]) if R == 1 else None
         taps = []
@@ -200,6 +199,11 @@ class TargetModel(nn.Module):
         if logits_at is not None:
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
         return TargetOutput(logits=self.logits(x), taps=tapped)
+
+    def rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, n, d], positions [R, n] -> (cos, signed sin) [R, n, 1, D], what _attention's rope takes."""
+        cos, sin = self.rotary_emb(x, positions)  # [R, n, D]
+        return cos[:, :, None], step_ops.signed_sin(sin)[:, :, None]
 
     def _attention(self, layer, h, i, cache, slots, upto, visible, rot, at):
         """h [R, n, d] normed input of layer i; rot = (cos, signed sin) [R, n, 1, D]; at: the first new

@@ -149,11 +149,11 @@ class StageTarget:
         cache = KVCache(self.hi - self.lo, n, t.num_kv_heads, t.head_dim, S, t.dtype, self.device)
         slots = cache.lengths[:, None] + torch.arange(S, device=self.device)
         visible = torch.arange(S, device=self.device)[None, None, :] <= slots[:, :, None]
-        cos, sin = t.rotary_emb(x, slots)
+        rot = t.rotation(x, slots)
         taps = {}
         for i in range(self.lo, self.hi):
             layer = t.layers[i]
-            x = x + t._attention(layer, layer.input_layernorm(x), i - self.lo, cache, slots, S, visible, cos, sin)
+            x = x + t._attention(layer, layer.input_layernorm(x), i - self.lo, cache, slots, S, visible, rot, None)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in want:
                 taps[i] = t.norm(x) if i == t.num_layers - 1 else x
