@@ -13,13 +13,10 @@ import json
 import click
 
 from dflash_trt.api import encode, load_drafter, load_target, load_tokenizer, run_generate, stop_ids
-from dflash_trt.cli_shared import (
-    dtype_device_options,
-    engine_options,
-    friendly_errors,
-)
+from dflash_trt.cli_shared import dtype_device_options, engine_options, flag_error, friendly_errors
 from dflash_trt.config import SamplingParams, field_help
 from dflash_trt.decoding.options import EngineOptions
+from dflash_trt.errors import DFlashError
 from dflash_trt.hub.drafters import bundled_drafters
 from dflash_trt.hub.models import fetch_model, list_models
 from dflash_trt.quickstart import QuickstartConfig, print_quickstart, run_quickstart
@@ -117,7 +114,10 @@ def generate(
     as_json,
 ):
     """Generate with DFlash speculative decoding and print text plus acceptance statistics."""
-    options = EngineOptions(proposer, draft_length, draft_cutoff, kernels, cuda_graph)  # before any model loads
+    try:  # before any model loads
+        options = EngineOptions(proposer, draft_length, draft_cutoff, kernels, cuda_graph)
+    except DFlashError as e:
+        raise flag_error(e, EngineOptions.cli_flags()) from None
     params = SamplingParams(  # validated here, before any model loads; the stop ids come with the tokenizer
         temperature=temperature,
         top_p=top_p,

@@ -49,6 +49,15 @@ def engine_options(fields, only=None, help_prefix: str = ""):
     return stack(*decorators)
 
 
+def flag_error(e: DFlashError, fields) -> DFlashError:
+    """e with its leading `field=` (an options dataclass's one-line refusal) named as the command's flag
+    (`--field-name=`), so the line names what the user typed; fields: as engine_options takes them."""
+    name, sep, rest = str(e).partition("=")
+    if not sep or name not in {f[0] for f in fields}:
+        return e
+    return type(e)("--" + name.replace("_", "-") + "=" + rest)
+
+
 def stack(*decorators):
     """Several decorators as one, applied as if written one above the other in this order (so click
     lists the options in it)."""
