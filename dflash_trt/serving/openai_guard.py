@@ -6,8 +6,11 @@ Boundary: an ASGI middleware, no model or Triton knowledge. In order:
     /health (and any path outside /v1) stays open, as vLLM's does, for load balancers and probes.
   * media type: a POST body must be `application/json` (415 otherwise, as vLLM answers), not pydantic's
     "Input should be a valid dictionary" for a form-encoded body.
-  * body size: a declared Content-Length over `max_body_bytes` gets 413 before any byte is read; a
-    chunked body is counted as it arrives and refused the same way once it passes the bound.
+  * body size: a declared Content-Length over `max_body_bytes` gets 413 before the body is used; a
+    chunked body is counted as it arrives and refused the same way once it passes the bound. Before the
+    413, up to DRAIN_BYTES more of the body are read and dropped (a lingering close, as nginx does): a
+    client still sending when the server closes gets a reset instead of the answer (urllib / requests
+    then report a broken pipe), so a body only a little over the bound is read through to answer it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # a whole 128k-token chat fits; a runaway upload does not
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
+DRAIN_BYTES = 1024 * 1024  # the most of a refused body read (and dropped) so the client hears the 413
 
 
 class RequestGuard:
@@ -46,6 +50,8 @@ class RequestGuard:
             return await _reply(send, _api_error(415, msg))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            if int(declared) <= DRAIN_BYTES:
+                await _drain(receive, {"more_body": True}, DRAIN_BYTES)
             return await _reply(send, self.too_large(int(declared)))
         seen = 0
 
@@ -55,6 +61,7 @@ class RequestGuard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:  # FastAPI re-raises an HTTPException from reading the body
+                    await _drain(receive, message, DRAIN_BYTES)
                     from starlette.exceptions import HTTPException  # deferred: see _api_error
 
                     raise HTTPException(413, self.too_large(seen).message)
@@ -68,6 +75,13 @@ class RequestGuard:
             f"body: {size} bytes is more than this server accepts ({self.max_body_bytes} bytes; "
             "serve --openai-max-body-bytes raises it)",
         )
+
+
+async def _drain(receive, message: dict, budget: int) -> None:
+    """Read and drop the rest of a request body after `message`, at most `budget` bytes."""
+    while message.get("type", "http.request") == "http.request" and message.get("more_body") and budget > 0:
+        message = await receive()
+        budget -= len(message.get("body", b""))
 
 
 def _api_error(*args):
