@@ -237,7 +237,7 @@ def test_killed_run_resumes_after_its_finished_shards(fake, tmp_path):
 
 # ---- end to end: a real `dflash-trt serve --openai-port` ----------------------------------------
 try:  # its server fixture (nvidia-pytriton's tritonserver, the tiny random Qwen3 pair with ChatML)
-    from test_openai_api import api, models  # noqa: F401
+    from test_openai_api import API_KEY, api, models  # noqa: F401
 except pytest.skip.Exception as e:
     _skip = str(e)
 
@@ -245,7 +245,7 @@ except pytest.skip.Exception as e:
     def api():
         pytest.skip(_skip)
 
-    models = None
+    models = API_KEY = None
 
 
 @pytest.mark.slow
@@ -259,7 +259,9 @@ def test_served_answers_equal_in_process_greedy_generation(models, api, tmp_path
     prompts = ["hello world", "def add(a, b):", "héllo wörld ✓ 漢字", "The quick brown fox", "a", "Speculative"]
     tok = load_tokenizer(root / "target")
     mine = generate_data(target, tok, prompts, tmp_path / "local", 20, 2, chat, shard_size=4, progress=False)
-    regen = Regenerator(ServerConfig(str(api.client.base_url), chat=chat, max_new_tokens=20, concurrency=4), tok)
+    # the server requires its key (test_openai_api's fixture: serve with $DFLASH_TRT_API_KEY)
+    cfg = ServerConfig(str(api.client.base_url), chat=chat, max_new_tokens=20, concurrency=4, api_key=API_KEY)
+    regen = Regenerator(cfg, tok)
     assert regen.model == "tiny"
     served = generate_remote(regen, prompts, tmp_path / "served", shard_size=4, progress=False)
     assert shard_texts(served) == shard_texts(mine) and len(shard_texts(mine)) == 2

@@ -110,6 +110,12 @@ def _check_data_destination(source: str, out: str, validation: bool) -> None:
     "return token ids (return_token_ids); --chat sends chat messages, so its own chat template applies.",
 )
 @click.option("--server-model", default=None, help="The served model name (default: the one /v1/models lists).")
+@click.option(
+    "--api-key",
+    envvar="OPENAI_API_KEY",
+    default=None,
+    help="--server: the key it requires (sent as 'Authorization: Bearer <key>'); or set $OPENAI_API_KEY.",
+)
 @click.option("--concurrency", type=int, default=8, show_default=True, help="--server: requests in flight.")
 @click.option("--retries", type=int, default=5, show_default=True, help="--server: retries of a failed request.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="--server: seconds per request.")
@@ -133,6 +139,7 @@ def data_generate(
     validation,
     server,
     server_model,
+    api_key,
     concurrency,
     retries,
     timeout,
@@ -154,6 +161,7 @@ def data_generate(
             retries=retries,
             timeout=timeout,
             retokenize=retokenize,
+            api_key=api_key,
         )
         tok = load_tokenizer(resolve_target_dir(target)) if target else None
         regen = Regenerator(cfg, tok)  # checks the server and the model name before any shard

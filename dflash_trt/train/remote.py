@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -58,6 +58,7 @@ class ServerConfig:
     backoff: float = 1.0  # seconds before the first retry; doubles each time
     timeout: float = 600.0  # seconds per HTTP request
     retokenize: bool = False  # accept a server without return_token_ids (approximate ids)
+    api_key: str | None = field(default=None, repr=False)  # sent as 'Authorization: Bearer <key>'
 
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
@@ -83,7 +84,10 @@ class _Transient(Exception):
 def _call(cfg: ServerConfig, method: str, path: str, body: dict | None = None) -> dict:
     """One HTTP exchange -> the JSON body; _Transient for what a retry may fix, DFlashError else."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(cfg.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key:  # vLLM / SGLang / dflash-trt serve --api-key
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    req = urllib.request.Request(cfg.url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=cfg.timeout) as r:
             return json.loads(r.read())
