@@ -72,7 +72,7 @@ def reference(folder: Path, dst: Path) -> None:
     save_file({k: v for k, v in out.items() if v.is_floating_point()}, str(dst))
 
 
-def build_cases(root: Path, families=FAMILIES, quants=QUANTS) -> list[dict]:
+def build_cases(root: Path, families=FAMILIES, quants=QUANTS, kv_cache: str = "fp8") -> list[dict]:
     """Emit every family x quant pair under root; returns one case per (family, quant)."""
     import torch
     import yaml
@@ -109,7 +109,7 @@ def build_cases(root: Path, families=FAMILIES, quants=QUANTS) -> list[dict]:
                     "calib_prompts": 2,
                     "target_quant": q,
                     "drafter_quant": q,
-                    "kv_cache": "bf16" if q == "bf16" else "fp8",
+                    "kv_cache": "bf16" if q == "bf16" else kv_cache,
                     **({"sm": "sm_100"} if q == "nvfp4" else {}),
                 }
                 y = root / f"{name}-{engine}.yaml"
@@ -133,6 +133,7 @@ def build_cases(root: Path, families=FAMILIES, quants=QUANTS) -> list[dict]:
                         "script": str(out / "serve" / f"{engine}.sh"),
                         "ref_target": str(root / f"ref-{name}-{engine}-target.safetensors"),
                         "ref_drafter": str(root / f"ref-{name}-{engine}.safetensors"),
+                        "kv_scales": cfg["kv_cache"] != "bf16",
                     },
                     "expect": {
                         "num_drafts": num_drafts(dc),
@@ -196,8 +197,11 @@ class Row:
     derived: dict
 
 
-def check(work: Path, families=FAMILIES, quants=QUANTS, python: Path = INTEROP_PYTHON) -> list[Row]:
-    cases = build_cases(work, families, quants)
+def check(
+    work: Path, families=FAMILIES, quants=QUANTS, python: Path = INTEROP_PYTHON, kv_cache: str = "fp8"
+) -> list[Row]:
+    """kv_cache: the KV cache of the quantized rows (bf16 rows keep a bf16 one)."""
+    cases = build_cases(work, families, quants, kv_cache)
     results = {}
     for engine in ENGINES:
         jobs = [c["engines"][engine]["job"] for c in cases if "job" in c["engines"][engine]]
@@ -225,6 +229,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--quants", nargs="+", default=list(QUANTS), choices=QUANTS)
+    ap.add_argument(
+        "--kv-cache", default="fp8", choices=("fp8", "bf16"), help="KV cache of the quantized rows (default fp8)"
+    )
     ap.add_argument("--work", type=Path, help="keep the emitted folders and logs here (default: a temp dir)")
     ap.add_argument("--json", type=Path, help="also write the rows (with what each engine derived) here")
     ap.add_argument("--print-deps", action="store_true", help="print the interop venv's extra packages")
@@ -239,7 +246,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        rows = check(work, a.families, a.quants)
+        rows = check(work, a.families, a.quants, kv_cache=a.kv_cache)
     if a.json:
         a.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     print(markdown(rows))
