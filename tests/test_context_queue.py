@@ -103,3 +103,39 @@ def test_probes_back_off(monkeypatch):
     gaps = [b - a for a, b in zip(runs, runs[1:])]  # rounds from one try to the next
     assert gaps and gaps[0] == verify_cost.PROBE_EVERY, (runs, n)
     assert all(b == min(2 * a, verify_cost.PROBE_EVERY_MAX) for a, b in zip(gaps, gaps[1:])), gaps
+
+
+def test_a_long_wait_fits_a_tight_cache(monkeypatch):
+    """max_seq_len just above prompt + max_new_tokens, the drafter skipped from round 21 to 53 (the queue,
+    which grows by doubling, is then 64 wide for 33 entries, written after 20 rounds of text) and run after:
+    the queue still fits the drafter cache when injected, single row and batched, and the output is the
+    target's."""
+    t = tiny_target("qwen3", vocab_size=12)
+    d = tiny_drafter(t, block_size=4)
+    rounds = [0]
+
+    def skip(self, record, rows):
+        rounds[0] += 1
+        return 20 < rounds[0] <= 53
+
+    monkeypatch.setattr(verify_cost.PayGate, "skip", skip)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    for prompts in ([[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5], [9, 8, 7], [11, 2, 3, 4, 5, 6, 7, 8, 9, 10]]):
+        rounds[0] = 0
+        need = max(map(len, prompts)) + params.max_new_tokens
+        eng = SpecEngine(
+            t,
+            d,
+            max_batch=3,
+            max_seq_len=need,
+            kernels="torch",
+            draft_length="cost",
+            proposer="hybrid",
+            verify_cost=STEEP,
+        )
+        eng.add_requests([(str(i), p, params) for i, p in enumerate(prompts)])
+        out = {str(i): [] for i in range(len(prompts))}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+        assert [out[str(i)] for i in range(len(prompts))] == generate_baseline(t, prompts, params).tokens

@@ -282,14 +282,21 @@ class SpecEngine:
         return tv.verdict
 
     def _inject(self) -> None:
-        """The drafter's context catches up with the target's: every queued feature is injected."""
-        self.drafter.inject_context(self.pending, self.pending_n, self.dcache)
+        """The drafter's context catches up with the target's: every queued feature is injected (the queue
+        cut to its longest row: it grows by doubling, and a column past every row's entries is padding that
+        would only ask the drafter cache for room it does not have)."""
+        width = int(self.pending_n.max()) if self.pending_n.numel() else 0
+        self.drafter.inject_context(self.pending[:, :width], self.pending_n, self.dcache)
         self.deferred = False
 
     def _defer(self) -> None:
         """A round without the drafter: its context waits in the queue (decoding/context_queue.py), unless
-        the queue is full or the drafter replays from a CUDA graph, which takes one block's width."""
-        if self.graphs is not None or context_queue.full(self.pending, self.block_size):
+        the queue is full, the drafter replays from a CUDA graph (which takes one block's width), or the
+        drafter cache would have no room left for the queue after this round's verify and the next block
+        (in a batch, one row's long queue is written past every row's length: padding, but it needs room)."""
+        B = self.block_size
+        room = self.dcache.max_len - int(self.dcache.lengths.max()) - B * (self.proposer.cache_blocks + 1)
+        if self.graphs is not None or context_queue.full(self.pending, B) or int(self.pending_n.max()) > room:
             self._inject()
         else:
             self.deferred = True
