@@ -25,6 +25,7 @@ import yaml
 from dflash_trt import drafter_fields, families
 from dflash_trt.drafter_fields import ARCHITECTURE, FULL, LAYER_TYPES, SLIDING
 from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.families.capabilities import caps_of, check_draft_vocab
 
 
 @dataclass
@@ -246,6 +247,7 @@ class DrafterConfig:
         unknown = sorted(set(self.family_fields) - set(self.family.CONFIG_KEYS))
         if unknown:
             raise ConfigError(f"family_fields {unknown}: not fields of a {self.family.LABEL} drafter")
+        check_draft_vocab(self.family, self.draft_vocab_size)
         self.family.check_fields(self.family_fields, self)
 
     @property
@@ -277,7 +279,7 @@ class DrafterConfig:
             )
             if getattr(self, name) != plain
         ]
-        if not self.family.KERNELS:
+        if not caps_of(self.family).kernels:
             out.append(f"architectures {self.architectures} ({self.family.LABEL})")
         return out + ([] if self.plain_attention else ["is_causal / layer_types / sliding_window"])
 

@@ -18,6 +18,7 @@ Shapes are those of a Qwen3-8B DFlash drafter: hidden 4096, 32 heads, 8 kv heads
 5 layers, block 16, bf16, vocabulary 151936; contexts 1K-8K; batch 1-32.
 Output: one table on stdout; JSON to $OUT/gpu_check.json when $OUT is set (or --json FILE).
 --dry-run times are CPU-interpreter times of tiny shapes: they prove the script, not the kernels.
+The timer and the tables: scripts/gpu_check_report.py (bench, max_err, nbytes re-exported from here).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ if DRY:
 else:
     os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, also when not pip-installed
+if str(Path(__file__).resolve().parent) not in sys.path:  # scripts/ (the siblings), when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gpu_check_report import Report, bench, max_err, nbytes, print_loop_table  # noqa: E402
 
 PEAK_TBS = {"H200": 4.8, "H100": 3.35, "H20": 4.0, "B200": 8.0, "B300": 8.0, "GB200": 8.0, "A100": 2.0}
 
@@ -54,71 +58,6 @@ REAL_CASES = dict(
 TINY_CASES = dict(
     inject=[(1, 4, 24), (3, 5, 24)], attention=[(1, 0), (3, 20)], greedy=[1, 3], rejection=[1, 3], step=[(2, 12)]
 )
-
-
-# ---- timing -----------------------------------------------------------------------------------
-def bench(fn, dev) -> float:
-    """Median microseconds per call (GPU: triton.testing.do_bench, L2 flushed; dry-run: one call)."""
-    if dev.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-    fn()  # compile / warm up
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e6
-
-
-class Report:
-    def __init__(self, dev, peak_tbs):
-        self.dev, self.peak = dev, peak_tbs * 1e12
-        self.rows = []
-
-    def add(self, kernel, shape, t_triton, t_torch, nbytes, err, ok, err_label="max err"):
-        bound_us = nbytes / self.peak * 1e6
-        self.rows.append(
-            dict(
-                kernel=kernel,
-                shape=shape,
-                triton_us=t_triton,
-                torch_us=t_torch,
-                speedup=t_torch / t_triton,
-                bytes=nbytes,
-                bound_us=bound_us,
-                pct_of_bound=100 * bound_us / t_triton,
-                max_err=err,
-                err_label=err_label,
-                ok=ok,
-            )
-        )
-        r = self.rows[-1]
-        print(
-            f"  {kernel:24s} {shape:34s} {t_triton:10.1f} {t_torch:10.1f} {r['speedup']:7.2f}x "
-            f"{r['pct_of_bound']:6.1f}%  {'ok' if ok else 'MISMATCH'} ({err:.2g})",
-            flush=True,
-        )
-
-    def table(self) -> str:
-        head = ["kernel", "shape", "triton us", "torch us", "speedup", "% of BW bound", "check vs reference"]
-        lines = [
-            [
-                r["kernel"],
-                r["shape"],
-                f"{r['triton_us']:.1f}",
-                f"{r['torch_us']:.1f}",
-                f"{r['speedup']:.2f}x",
-                f"{r['pct_of_bound']:.1f}%",
-                f"{'ok' if r['ok'] else 'MISMATCH'} ({r['err_label']} {r['max_err']:.2g})",
-            ]
-            for r in self.rows
-        ]
-        w = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-        fmt = lambda row: "| " + " | ".join(str(x).ljust(n) for x, n in zip(row, w)) + " |"  # noqa: E731
-        return "\n".join([fmt(head), "|" + "|".join("-" * (n + 2) for n in w) + "|", *map(fmt, lines)])
-
-
-def nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # ---- the engine's PyTorch path, per op ----------------------------------------------------------
@@ -155,10 +94,6 @@ def torch_attention(q, kb, vb, cache, positions):
 
 
 # ---- cases ------------------------------------------------------------------------------------
-def max_err(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-
-
 def tol(dtype) -> float:
     return 2e-4 if dtype == torch.float32 else 6e-2
 
@@ -368,21 +303,7 @@ def main() -> int:
     print(f"\n{title}\n{rep.table()}")
     print(f"engine parity (generate kernels=triton vs torch vs baseline, greedy): {engine}")
     if loop:
-        print("\ngenerate() per verify step, random Qwen3-0.6B-shaped target (bf16), 5-layer B=16 drafter:")
-        print(
-            "| rows | prompt | torch ms | triton ms | triton + CUDA graph ms | target alone ms/token "
-            "| HF generate() ms/token | paths agree |"
-        )
-        print(
-            "|------|--------|----------|-----------|------------------------|-----------------------"
-            "|------------------------|-------------|"
-        )
-        for r in loop:
-            m = r["ms_per_step"]
-            print(
-                f"| {r['rows']} | {r['prompt_len']} | {m['torch']} | {m['triton']} | {m['triton+graph']} | "
-                f"{r['baseline_ms_per_token']} | {r['hf_generate_ms_per_token']} | {r['dflash_paths_agree']} |"
-            )
+        print_loop_table(loop)
     print(f"total {time.perf_counter() - t0:.0f}s")
     result = {
         "title": title,

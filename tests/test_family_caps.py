@@ -28,11 +28,13 @@ from conftest import tiny_model_dir
 
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
+from dflash_trt.decoding.engine import SpecEngine
 from dflash_trt.deploy.emit import drafter_note
-from dflash_trt.errors import ConfigError
+from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.families import FAMILIES, dflash, dflash2, domino, dspark
 from dflash_trt.families.capabilities import ENGINES, caps_of, drafter_copy, refusal
 from dflash_trt.modeling.drafter import DFlashDrafter
+from dflash_trt.modeling.fast_path import drafter_unsupported_reason
 from dflash_trt.modeling.target import TargetModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
@@ -104,11 +106,21 @@ def test_what_each_engine_is_given(target_dir, family, engine, quant):
             assert "bf16 copy" not in line
 
 
-def test_every_registered_family_declares_capabilities():
+def test_every_registered_family_declares_capabilities(target_dir):
+    tc = TargetModel.from_pretrained(target_dir).config
     for fam in FAMILIES.values():
         caps = caps_of(fam)
         assert set(caps.engines) | set(caps.refused) == set(ENGINES), fam.NAME  # every engine: run or refuse
-        assert "lm_head" in caps.quant_exclude and caps.kernels == fam.KERNELS
+        assert "lm_head" in caps.quant_exclude
+        # the decoding switches promise only what the family's propose gives
+        offered = fam.lengths(config_of(tc, fam.NAME))
+        assert caps.draft_cutoff == ("probability" in offered), fam.NAME
+        assert (not caps.hybrid or caps.draft_cutoff) and (not caps.cuda_graph or caps.kernels), fam.NAME
+        if not caps.draft_vocab:
+            with pytest.raises(ConfigError, match=f"draft vocabularies are not supported for {fam.LABEL}"):
+                dataclasses.replace(config_of(tc, fam.NAME), draft_vocab_size=40)
+        else:
+            assert dataclasses.replace(config_of(tc, fam.NAME), draft_vocab_size=40).draft_vocab_size == 40
 
 
 def test_draft_vocabulary_dropped_is_said(target_dir):
@@ -131,6 +143,46 @@ def dummy_family(monkeypatch):
     mod.NAME, mod.ARCHITECTURE, mod.LABEL = "dummy", "DummyDraftModel", "Dummy"
     monkeypatch.setitem(FAMILIES, mod.ARCHITECTURE, mod)
     return mod
+
+
+@pytest.fixture
+def switched_off(monkeypatch):
+    """Plain DFlash under another name whose CAPS turns every decoding switch off: decoding must follow the
+    declaration, not the (DFlash) propose step behind it."""
+    mod = types.ModuleType("switched_off")
+    for k, v in vars(dflash).items():
+        if not k.startswith("__"):
+            setattr(mod, k, v)
+    mod.NAME, mod.ARCHITECTURE, mod.LABEL = "off", "OffDraftModel", "Off"
+    off = dict(kernels=False, cuda_graph=False, draft_vocab=False, draft_cutoff=False, hybrid=False)
+    mod.CAPS = dataclasses.replace(dflash.CAPS, **off)
+    monkeypatch.setitem(FAMILIES, mod.ARCHITECTURE, mod)
+    return mod
+
+
+def test_decoding_reads_the_family_switches(target_dir, switched_off, dummy_family):
+    target = TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    plain = DFlashDrafter(config_of(target.config, "dflash"))
+    assert SpecEngine(target, plain, proposer="auto").proposer.name == "hybrid"
+    cfg = dataclasses.replace(config_of(target.config, "dflash"), architectures=["OffDraftModel"])
+    off = DFlashDrafter(DrafterConfig.from_json_dict(cfg.to_json_dict()))
+    assert off.family is switched_off  # the Triton kernels refuse it (kernels=auto: the PyTorch path)
+    assert "the drafter kernels implement plain DFlash, not Off" in drafter_unsupported_reason(off.config)
+    assert SpecEngine(target, off, proposer="auto").proposer.name == "dflash"  # auto: no hybrid for it
+    for opts, why in (
+        ({"proposer": "hybrid"}, "proposer=hybrid: Off drafters give no per-draft probability"),
+        ({"proposer": "tree"}, "proposer=tree: Off drafters give no per-draft probability"),
+        ({"draft_cutoff": 0.3}, "draft_cutoff=0.3: not supported for Off drafters"),
+        ({"cuda_graph": "on"}, "the Off drafter step has no CUDA-graph replay"),
+    ):
+        with pytest.raises(DFlashError, match=why):
+            SpecEngine(target, off, **opts)
+    with pytest.raises(ConfigError, match="draft vocabularies are not supported for Off"):
+        dataclasses.replace(cfg, draft_vocab_size=40)
+    # a family that declares nothing is refused at the engine's start too, in one line
+    cfg = dataclasses.replace(config_of(target.config, "dflash"), architectures=["DummyDraftModel"])
+    with pytest.raises(ConfigError, match="'Dummy' declares no deploy capabilities"):
+        SpecEngine(target, DFlashDrafter(DrafterConfig.from_json_dict(cfg.to_json_dict())))
 
 
 def build(tmp_path, target, drafter, stage: str, **over) -> object:

@@ -209,8 +209,10 @@ OVER_400: dict[str, str] = {}
 
 
 def test_no_module_over_400_lines():
-    """One module per concern, 100-400 lines (the project's rule): a longer one is two concerns."""
-    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    """One module per concern, 100-400 lines (the project's rule): a longer one is two concerns. The package,
+    its tests and its scripts alike."""
+    files = [p for d in (PACKAGE, ROOT / "tests", ROOT / "scripts") for p in d.rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
     assert set(OVER_400) <= set(long), f"split already, remove from OVER_400: {set(OVER_400) - set(long)}"
     new = {p: n for p, n in long.items() if p not in OVER_400}
     assert not new, f"split these modules (over 400 lines): {new}"

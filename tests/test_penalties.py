@@ -121,7 +121,7 @@ def test_greedy_speculative_equals_penalised_target(family, B, controls):
     # a drafter proposing the penalised continuation has every draft accepted: each block position's
     # penalised logits are exactly those of token-by-token decoding
     oracle = OracleDrafter(t, [p + x for p, x in zip(PROMPTS, ref)], B)
-    out = generate(t, oracle, PROMPTS, params)
+    out = generate(t, oracle, PROMPTS, params, proposer="dflash")  # the drafter's every block
     assert out.tokens == ref and out.stats.tau == B
 
 

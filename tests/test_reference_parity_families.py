@@ -5,8 +5,8 @@ markov_head.sample_block_tokens) and the confidence head's sigmoid agree to 1e-5
 draft path equals SpecForge's, for every Markov head type and both alignments and every Domino
 variant; greedy generation equals SpecForge's spec_generate for drafters that accept, and the
 target's greedy (batch 3, ragged, also with draft_length="confidence"); sampled output follows the
-target (chi-square); saves load into SpecForge, the legacy `logit_head.` nesting and SGLang's
-projector_type layout load; what is refused is refused with one line.
+target (chi-square). Saves, other layouts and refusals: tests/test_reference_parity_families_checkpoints.py;
+shared helpers: tests/families_parity_common.py (re-exported here for tests/test_train_parity_*.py).
 """
 
 from __future__ import annotations
@@ -15,80 +15,33 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import fp32_tol, tiny_config, tiny_hf
-from parity_common import MASK, L, edit_config, our_generate, train_until_it_accepts
-from safetensors.torch import load_file, save_file
+from conftest import fp32_tol, tiny_hf
+from families_parity_common import (  # noqa: F401  (sf_checkpoint: for tests/train_parity_common.py)
+    DOMINO,
+    B,
+    DominoDraftModel,
+    DSparkDraftModel,
+    SFDFlash,
+    dspark_fields,
+    pair,
+    sf_checkpoint,
+    sf_config,
+    sf_load,
+)
+from parity_common import MASK, L, our_generate, train_until_it_accepts
+from safetensors.torch import load_file
+from specforge.modeling.draft.dflash import extract_context_feature
+from transformers import DynamicCache
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.decoding.engine import SpecEngine
-from dflash_trt.errors import CheckpointError, ConfigError, DFlashError
 from dflash_trt.families import domino, dspark
 from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.modeling.target import TargetModel
 
-sf_dspark = pytest.importorskip(
-    "specforge.modeling.draft.dspark", reason="SpecForge is not installed (.venv/bin/pip install specforge==0.2.0)"
-)
-from specforge.modeling.draft.dflash import DFlashDraftModel as SFDFlash  # noqa: E402
-from specforge.modeling.draft.dflash import extract_context_feature  # noqa: E402
-from specforge.modeling.draft.domino import DominoDraftModel  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-DSparkDraftModel = sf_dspark.DSparkDraftModel
 pytestmark = pytest.mark.reference
 
-B = 4
 STEPS = 40  # training steps of the accepting backbone
-PLAIN = {"mask_token_id": MASK, "target_layer_ids": [1, 3]}
-DOMINO = {"emb_dim": 16, "gru_hidden_dim": 12}
-
-
-def dspark_fields(kind="rnn", anchor=True, with_markov=True, confidence=True):
-    return {
-        "markov_rank": 8,
-        "markov_head_type": kind,
-        "enable_confidence_head": confidence,
-        "confidence_head_with_markov": with_markov,
-        "sample_from_anchor": anchor,
-    }
-
-
-def sf_config(fields):
-    """A tiny SpecForge drafter config (GQA: SpecForge's DSpark default needs kv heads < heads)."""
-    return tiny_config(
-        "qwen3",
-        num_target_layers=L,
-        num_hidden_layers=2,
-        block_size=B,
-        num_key_value_heads=2,
-        dflash_config={**PLAIN, **fields},
-    )
-
-
-def sf_checkpoint(cls, fields, folder, head_scale=3.0, seed=0):
-    """A checkpoint written by SpecForge's `cls`: random weights, the heads' scaled by head_scale so
-    that they change the argmax of some positions."""
-    torch.manual_seed(seed)
-    model = cls(sf_config(fields)).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                head = any(k in name for k in ("markov", "confidence", "gru", "embed_proj"))
-                p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5 * (head_scale if head else 1.0))
-    model.save_pretrained(folder)
-    return folder
-
-
-def sf_load(cls, folder):
-    model, info = cls.from_pretrained(folder, output_loading_info=True)
-    return model.float().eval(), info
-
-
-def pair(tmp_path, cls, fields, head_scale=3.0):
-    hf = tiny_hf("qwen3", num_hidden_layers=L)
-    target = TargetModel(hf)
-    folder = sf_checkpoint(cls, fields, tmp_path / "sf", head_scale)
-    return hf, target, DFlashDrafter.from_pretrained(folder, target=target), sf_load(cls, folder)[0], folder
 
 
 def cached_steps(hf, ours, theirs):
@@ -317,93 +270,3 @@ def test_sampled_distribution_equals_target(family):
     if kw:
         assert stats.num_draft_tokens < (B - 1) * stats.num_verify_steps  # the length rule acted
     assert_follows_target(t, prompt, V, tokens)
-
-
-@pytest.mark.parametrize(
-    "cls, fields", [(DSparkDraftModel, dspark_fields("gated")), (DominoDraftModel, DOMINO)], ids=["dspark", "domino"]
-)
-def test_save_load_round_trip(tmp_path, cls, fields):
-    _, target, ours, _, folder = pair(tmp_path, cls, fields)
-    ours.save_pretrained(tmp_path / "ours")
-    saved = load_file(str(tmp_path / "ours" / "model.safetensors"))
-    theirs, info = sf_load(cls, tmp_path / "ours")
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    for k, v in theirs.state_dict().items():
-        assert torch.equal(saved[k], v), k
-    again = DFlashDrafter.from_pretrained(tmp_path / "ours", target=target)
-    for k, v in ours.state_dict().items():
-        assert torch.equal(again.state_dict()[k], v), k
-    assert again.config.family_fields == ours.config.family_fields
-    assert {k: again.config.family_fields[k] for k in fields} == fields
-    # the early SpecForge layout: the heads nested under logit_head.
-    state = load_file(str(folder / "model.safetensors"))
-    heads = ("markov_head", "confidence_head", "prefix_gru", "embed_proj")
-    save_file(
-        {("logit_head." + k if k.startswith(heads) else k): v for k, v in state.items()},
-        str(folder / "model.safetensors"),
-    )
-    legacy = DFlashDrafter.from_pretrained(folder, target=target)
-    for k, v in ours.state_dict().items():
-        assert torch.equal(legacy.state_dict()[k], v), k
-
-
-def test_sglang_domino_layout_loads(tmp_path):
-    """SGLang's layout: architectures DFlashDraftModel, the family named by dflash_config.projector_type."""
-    _, target, ours, _, folder = pair(tmp_path, DominoDraftModel, DOMINO)
-    edit_config(folder, architectures=["DFlashDraftModel"])
-    sglang = DFlashDrafter.from_pretrained(folder, target=target)
-    assert sglang.family.NAME == "domino" and sglang.config.family_fields == ours.config.family_fields
-    for k, v in ours.state_dict().items():
-        assert torch.equal(sglang.state_dict()[k], v), k
-
-
-def _refused(folder, error, match, **changes):
-    if changes:
-        edit_config(folder, **changes)
-    with pytest.raises(error, match=match) as e:
-        DFlashDrafter.from_pretrained(folder)
-    assert "\n" not in str(e.value)
-
-
-def test_refusals_are_one_line(tmp_path):
-    _, target, ours, _, folder = pair(tmp_path, DSparkDraftModel, dspark_fields("rnn"))
-    with pytest.raises(ConfigError, match="draft_length=confidence needs draft_cutoff > 0") as e:
-        SpecEngine(target, ours, kernels="torch", draft_length="confidence", draft_cutoff=0.0)
-    assert "\n" not in str(e.value)
-    _refused(
-        folder, ConfigError, "markov_head_type='lstm': choose one of", **{"dflash_config.markov_head_type": "lstm"}
-    )
-    _refused(folder, ConfigError, "markov_rank=-1: must be an integer >= 0", **{"dflash_config.markov_rank": -1})
-    edit_config(folder, **{"dflash_config.markov_head_type": "rnn", "dflash_config.markov_rank": 0})
-    _refused(folder, ConfigError, "confidence_head_with_markov=true needs markov_rank > 0", markov_rank=0)
-    edit_config(folder, markov_rank=8, **{"dflash_config.markov_rank": 8})
-    _refused(
-        folder, ConfigError, "draft vocabularies are not supported for DSpark", **{"dflash_config.draft_vocab_size": 8}
-    )
-    edit_config(folder, **{"dflash_config.draft_vocab_size": None})
-    _refused(
-        folder,
-        ConfigError,
-        "projector_type='domino': a DSpark drafter has 'dspark'",
-        **{"dflash_config.projector_type": "domino"},
-    )
-    edit_config(folder, **{"dflash_config.projector_type": "dspark"})
-    DFlashDrafter.from_pretrained(folder)  # the edits are undone: what follows is refused for its own reason
-    state = load_file(str(folder / "model.safetensors"))
-    del state["markov_head.markov_w2.weight"]
-    save_file(state, str(folder / "model.safetensors"))
-    _refused(folder, CheckpointError, r"markov_head\.markov_w2\.weight")
-    # a DSpark drafter without the confidence head has no confidence to set the length from
-    _, target, plain, _, _ = pair(
-        tmp_path / "noconf", DSparkDraftModel, dspark_fields("vanilla", with_markov=False, confidence=False)
-    )
-    with pytest.raises(DFlashError, match="draft_length=confidence: this DSpark drafter has no confidence head") as e:
-        SpecEngine(target, plain, kernels="torch", draft_length="confidence", draft_cutoff=0.3)
-    assert "\n" not in str(e.value)
-    folder = sf_checkpoint(DominoDraftModel, DOMINO, tmp_path / "dom")
-    _refused(
-        folder,
-        ConfigError,
-        r"pure_draft_prefix_len=3: must be an integer in 0\.\.2",
-        **{"dflash_config.pure_draft_prefix_len": B - 1},
-    )

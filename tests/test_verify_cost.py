@@ -21,7 +21,15 @@ STEEP = VerifyCost([1, 2], [1.0, 2.0])  # cost proportional to the tokens scored
 
 
 def run(t, d, prompts, params, **kw):
-    eng = SpecEngine(t, d, max_batch=len(prompts), max_seq_len=80, kernels="torch", draft_length="cost", **kw)
+    eng = SpecEngine(
+        t,
+        d,
+        max_batch=len(prompts),
+        max_seq_len=80,
+        kernels="torch",
+        draft_length="cost",
+        **{"proposer": "dflash", **kw},
+    )
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
     out = {str(i): [] for i in range(len(prompts))}
@@ -70,7 +78,16 @@ def test_flat_curve_verifies_whole_blocks_and_steep_curve_short_runs():
     widths = {}
     for name, curve in (("flat", FLAT), ("steep", STEEP)):
         d = tiny_drafter(t, block_size=4)  # untrained: unsure of every draft
-        eng = SpecEngine(t, d, max_batch=1, max_seq_len=64, kernels="torch", draft_length="cost", verify_cost=curve)
+        eng = SpecEngine(
+            t,
+            d,
+            max_batch=1,
+            max_seq_len=64,
+            kernels="torch",
+            draft_length="cost",
+            verify_cost=curve,
+            proposer="dflash",
+        )
         eng.add_request("a", [1, 2, 3], params)
         while eng.has_unfinished():
             eng.step()
@@ -87,7 +104,9 @@ def test_sampled_output_follows_target():
     d = tiny_drafter(t, block_size=4, scale=3.0)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=1000, ignore_eos=True)
     mid = VerifyCost([N, 2 * N, 3 * N, 4 * N], [1.0, 1.0, 2.5, 4.0])  # the 2nd token is free, the rest costly
-    eng = SpecEngine(t, d, max_batch=N, max_seq_len=16, kernels="torch", draft_length="cost", verify_cost=mid)
+    eng = SpecEngine(
+        t, d, max_batch=N, max_seq_len=16, kernels="torch", draft_length="cost", verify_cost=mid, proposer="dflash"
+    )
     for i in range(N):
         eng.add_request(str(i), prompt, SamplingParams(**{**params.__dict__, "seed": 1000 + i}))
     out, drafted, steps = {}, 0, 0

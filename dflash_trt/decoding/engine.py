@@ -101,7 +101,7 @@ class SpecEngine:
         self.draft_cutoff = check_cutoff(draft_cutoff)
         self.family = getattr(drafter, "family", dflash)  # test doubles draft as plain DFlash
         offered = self.family.lengths(drafter.config) if hasattr(drafter, "config") else ("probability",)
-        plan = plan_proposer(draft_length, self.draft_cutoff, proposer, self.family.LABEL, offered)
+        plan = plan_proposer(draft_length, self.draft_cutoff, proposer, self.family, offered)
         self.length_source, self.cost_source = plan.length_source, plan.cost_source
         self.needs, self.variable = plan.needs, plan.variable
         self.graphs = propose_graphs(cuda_graph, drafter, self.drafter_kernels, target.device, _capture)
@@ -295,7 +295,7 @@ class SpecEngine:
         drafter cache would have no room left for the queue after this round's verify and the next block
         (in a batch, one row's long queue is written past every row's length: padding, but it needs room)."""
         B = self.block_size
-        room = self.dcache.max_len - int(self.dcache.lengths.max()) - B * (self.proposer.cache_blocks + 1)
+        room = self.dcache.room() - B * (self.proposer.cache_blocks + 1)
         if self.graphs is not None or context_queue.full(self.pending, B) or int(self.pending_n.max()) > room:
             self._inject()
         else:

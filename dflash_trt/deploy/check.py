@@ -125,7 +125,7 @@ def check(cfg: BuildConfig, dirs: dict[str, Path]) -> dict:
     check_fit(dc, tc.hidden_size, tc.vocab_size, L)  # the one fit rule (modeling/drafter.py)
     check_block_size(dc.block_size, "drafter block_size")
     try:  # the engine's own rules (decoding/proposal.py plan), here before anything is built or served
-        plan(cfg.draft_length, cfg.draft_cutoff, cfg.proposer, dc.family.LABEL, dc.family.lengths(dc))
+        plan(cfg.draft_length, cfg.draft_cutoff, cfg.proposer, dc.family, dc.family.lengths(dc))
     except DFlashError as e:
         raise ConfigError(str(e)) from None
     why = refusal(dc.family, "torch", dc.family_fields, cfg.drafter_quant)  # families/*.py CAPS

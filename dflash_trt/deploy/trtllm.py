@@ -22,6 +22,7 @@ from __future__ import annotations
 import yaml
 
 from dflash_trt.config import DrafterConfig
+from dflash_trt.decoding.proposers import AUTO
 from dflash_trt.deploy.files import copy_tree
 from dflash_trt.errors import ConfigError
 from dflash_trt.families.capabilities import caps_of, engine_of, refusal
@@ -148,7 +149,7 @@ def write_llmapi_engine(ctx) -> dict:
             f"engine: draft vocabulary ({dc.draft_vocab_size} tokens) dropped: TensorRT-LLM drafts over the "
             f"target's full vocabulary (DFlashForCausalLM loads the target's LM head)"
         )
-    if cfg.draft_cutoff > 0 or cfg.draft_length != "block" or cfg.proposer != "dflash":
+    if cfg.draft_cutoff > 0 or cfg.draft_length != "block" or cfg.proposer not in ("dflash", AUTO):
         ctx.echo(
             "engine: note: draft_cutoff / draft_length / proposer are dflash-trt engine settings; "
             "TensorRT-LLM proposes and verifies the whole block"

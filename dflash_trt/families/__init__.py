@@ -10,7 +10,6 @@ Boundary: the registry only. Each family is one module of this package declaring
                              (SGLang's layout for Domino);
   TEACHER                    the training terms that read the target's logits at the block positions
                              (a description for the log; None: none do);
-  KERNELS                    whether the Triton kernels / CUDA graph / TensorRT paths implement it;
   check_fields(fields, cfg)  validation (and normalisation) of those fields against the DrafterConfig;
   lengths(cfg)               the draft-length sources its propose can return ("probability",
                              "confidence"; decoding/draft_length.py);
@@ -20,8 +19,11 @@ Boundary: the registry only. Each family is one module of this package declaring
                              confidence for the draft length come from the drafter;
   CAPS                       its deploy capabilities (families/capabilities.py): which engines run it
                              under which name, which of its modules stay unquantized, which engine
-                             loaders read a quantized drafter, kernels / CUDA graph / draft vocabulary /
-                             cutoff / hybrid. A family without CAPS is refused by every engine.
+                             loaders read a quantized drafter, and the decoding side's switches: Triton
+                             kernels, CUDA graph, draft vocabulary, per-draft cutoff, hybrid proposer
+                             (config.py, modeling/fast_path.py, modeling/cuda_graph.py and
+                             decoding/proposers read them there). A family without CAPS is refused by
+                             every engine and by the engine's start.
 Adding a family is one module plus one entry in FAMILIES. The registry sits beside config and
 modeling rather than inside either because config (fields), modeling (weights) and decoding
 (propose) all read it; family modules import torch and errors only, so no import cycle forms.

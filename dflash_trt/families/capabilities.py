@@ -97,6 +97,15 @@ def caps_of(family) -> Capabilities:
     return caps
 
 
+def check_draft_vocab(family, draft_vocab_size: int | None) -> None:
+    """A draft vocabulary only for a family whose CAPS defines one (ConfigError, one line)."""
+    if draft_vocab_size is not None and not caps_of(family).draft_vocab:
+        raise ConfigError(
+            f"dflash_config.draft_vocab_size: draft vocabularies are not supported for {family.LABEL} drafters; "
+            f"drop the field (and the draft_vocab tensor) to draft over the full vocabulary"
+        )
+
+
 def refusal(family, engine: str, fields: dict, drafter_quant: str = "bf16") -> str | None:
     """Why `engine` cannot run this family's drafter with these fields (None: it can)."""
     if engine not in ENGINES:

@@ -14,7 +14,6 @@ from dflash_trt.families.capabilities import ALWAYS_EXCLUDED, Capabilities, Engi
 
 NAME, ARCHITECTURE, LABEL = "dflash", "DFlashDraftModel", "DFlash"
 CONFIG_KEYS: tuple[str, ...] = ()
-KERNELS = True
 TOP_LEVEL_TOO: tuple[str, ...] = ()
 TEACHER: str | None = None  # train_terms does not read the target's logits
 DEFAULTS: dict = {}
@@ -110,7 +109,7 @@ CAPS = Capabilities(
         "torch": EngineSupport("dflash", quantized_drafter=True, draft_vocab=True),
     },
     quant_exclude=ALWAYS_EXCLUDED,
-    kernels=KERNELS,
-    cuda_graph=KERNELS,
+    kernels=True,
+    cuda_graph=True,
     draft_vocab=True,
 )

@@ -26,7 +26,6 @@ from dflash_trt.families.capabilities import ALWAYS_EXCLUDED, Capabilities, Engi
 
 NAME, ARCHITECTURE, LABEL = "dflash2", "DFlash2DraftModel", "DFlash 2"
 CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-KERNELS = False
 TOP_LEVEL_TOO: tuple[str, ...] = ()
 TEACHER: str | None = None  # train_terms does not read the target's logits
 DEFAULTS: dict = {}
@@ -49,8 +48,6 @@ def check_fields(fields: dict, cfg) -> None:
         raise ConfigError(
             f"dflash_config.selector_top_k={fields['selector_top_k']} exceeds vocab_size={cfg.vocab_size}"
         )
-    if cfg.draft_vocab_size is not None:
-        raise ConfigError("dflash_config.draft_vocab_size: draft vocabularies are not supported for DFlash 2 drafters")
 
 
 class GroupedCausalConv(nn.Module):
@@ -249,7 +246,6 @@ CAPS = Capabilities(
         )
     },
     quant_exclude=(*ALWAYS_EXCLUDED, "*kernel_projection", f"{SELECTOR}*"),
-    kernels=KERNELS,
     draft_cutoff=False,  # lengths() offers no per-draft probability
     hybrid=False,
 )

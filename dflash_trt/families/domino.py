@@ -15,7 +15,7 @@ which keeps rejection sampling exact. The embeddings are the target's raw embedd
 SpecForge's DominoDraftModel reads `embed_tokens` (specforge 0.2.0, modeling/draft/domino.py).
 
 Boundary: these weights (prefix_gru, embed_proj), their config fields and the propose step.
-The PyTorch drafter only (KERNELS False); no draft vocabulary, output_multiplier or softcapping.
+The PyTorch drafter only (CAPS.kernels False); no draft vocabulary, output_multiplier or softcapping.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ NAME, ARCHITECTURE, LABEL = "domino", "DominoDraftModel", "Domino"
 PROJECTOR_TYPE = "domino"
 CONFIG_KEYS = ("projector_type", "emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label")
 DEFAULTS = {"projector_type": PROJECTOR_TYPE, "pure_draft_prefix_len": 0, "shift_label": False}
-KERNELS = False
 TOP_LEVEL_TOO: tuple[str, ...] = ()
 TEACHER: str | None = None  # train_terms does not read the target's logits
 
@@ -194,6 +193,5 @@ CAPS = Capabilities(
         ),
     },
     quant_exclude=(*ALWAYS_EXCLUDED, "prefix_gru*", "embed_proj*"),
-    kernels=KERNELS,
     field_refusal=_engine_refusal,
 )

@@ -23,7 +23,7 @@ with the same previous tokens: SpecForge's own spec_generate (DSparkDraftModel._
 specforge 0.2.0) and vLLM's fill-in mode, one position off what training taught.
 
 Boundary: these weights, their config fields and the propose step. The PyTorch drafter only
-(KERNELS False); no draft vocabulary, output_multiplier or softcapping (SpecForge has none, so where
+(CAPS.kernels False); no draft vocabulary, output_multiplier or softcapping (SpecForge has none, so where
 the bias goes relative to them is undefined: refused). Tensor names are SpecForge's, vLLM's and
 SGLang's (markov_head.*, confidence_head.proj.*); the early `logit_head.` nesting loads too.
 """
@@ -64,7 +64,6 @@ TEACHER = "CE + L1 + confidence terms"  # train_terms matches the target's logit
 # read from dflash_config first, but vLLM and SGLang read these at the top level: written in both places
 TOP_LEVEL_TOO = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 HEAD_TYPES = ("vanilla", "gated", "rnn")
-KERNELS = False
 LEGACY_PREFIX = "logit_head."  # early SpecForge checkpoints nest the heads under it
 
 
@@ -95,9 +94,8 @@ def check_fields(fields: dict, cfg) -> None:
 
 
 def _refuse_unsupported(cfg, label: str) -> None:
-    """Fields of a plain z-lab drafter that SpecForge's DSpark / Domino heads do not define."""
-    if cfg.draft_vocab_size is not None:
-        raise ConfigError(f"dflash_config.draft_vocab_size: draft vocabularies are not supported for {label} drafters")
+    """Fields of a plain z-lab drafter that SpecForge's DSpark / Domino heads do not define (a draft
+    vocabulary is refused by config.py from CAPS.draft_vocab)."""
     for name, plain in (("output_multiplier", 1.0), ("final_logit_softcapping", None)):
         if getattr(cfg, name) != plain:
             raise ConfigError(
@@ -354,7 +352,6 @@ CAPS = Capabilities(
         "torch": EngineSupport("dspark", quantized_drafter=True),
     },
     quant_exclude=(*ALWAYS_EXCLUDED, "markov_head*", "confidence_head*"),
-    kernels=KERNELS,
     top_level=(*TOP_LEVEL_TOO, "sample_from_anchor"),
     field_refusal=_engine_refusal,
     drafts=_serving_drafts,

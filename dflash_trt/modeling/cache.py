@@ -38,13 +38,17 @@ class KVCache:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
+    def room(self) -> int:
+        """Positions left after the longest row: a write of n positions at every row's length fits when
+        n <= room() (rows are written to the same width, so the longest row bounds the batch)."""
+        return self.max_len - int(self.lengths.max())
+
     def check_room(self, n: int) -> None:
         if self.lengths.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # a host sync cannot be captured; modeling/cuda_graph.py checks before each replay
-        need = int(self.lengths.max()) + n
-        if need > self.max_len:
+        if n > self.room():
             raise DFlashError(
-                f"KV cache full: {need} positions needed, max_len={self.max_len}; "
+                f"KV cache full: {self.max_len - self.room() + n} positions needed, max_len={self.max_len}; "
                 f"raise max_seq_len or shorten the prompt / max_new_tokens"
             )
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.families.capabilities import caps_of
 
 
 def cuda_capture(fn: Callable[[], tuple]) -> tuple[object, tuple]:
@@ -134,7 +135,15 @@ def propose_graphs(mode: str, drafter, drafter_kernels: str, device, capture=Non
     if mode not in ("auto", "on", "off"):
         raise DFlashError(f"cuda_graph={mode!r}: expected one of auto, on, off")
     on_gpu = torch.device(device).type == "cuda" or capture is not None
-    usable = drafter_kernels == "triton" and on_gpu
+    config = getattr(drafter, "config", None)  # test doubles have none: graphed as plain DFlash
+    family = config.family if config is not None else None
+    graphed = family is None or caps_of(family).cuda_graph  # the family's CAPS says its step is graphed
+    usable = drafter_kernels == "triton" and on_gpu and graphed
+    if mode == "on" and not graphed:
+        raise DFlashError(
+            f"cuda_graph='on': the {family.LABEL} drafter step has no CUDA-graph replay (its CAPS.cuda_graph is "
+            f"false); use cuda_graph='auto' or 'off'"
+        )
     if mode == "on" and not usable:
         raise DFlashError(
             f"cuda_graph='on' needs the Triton kernels on a CUDA device (kernels in use: {drafter_kernels}, "

@@ -31,6 +31,7 @@ import torch
 
 from dflash_trt import kernels
 from dflash_trt.errors import DFlashError
+from dflash_trt.families.capabilities import caps_of
 from dflash_trt.kernels import interpreting, triton_available
 from dflash_trt.modeling.cache import KVCache
 
@@ -101,8 +102,11 @@ class StackedKVCache(KVCache):
 
 def drafter_unsupported_reason(cfg) -> str | None:
     """Why the drafter kernels cannot serve a drafter config (None when they can)."""
-    if not cfg.family.KERNELS:  # auto routes it to the PyTorch path (and so no CUDA graph)
-        return f"architectures {cfg.architectures}: the drafter kernels implement plain DFlash, not {cfg.family.LABEL}"
+    if not caps_of(cfg.family).kernels:  # auto routes it to the PyTorch path (and so no CUDA graph)
+        return (
+            f"architectures {cfg.architectures}: the drafter kernels implement plain DFlash, not {cfg.family.LABEL} "
+            f"(its CAPS.kernels is false)"
+        )
     D = cfg.head_dim
     if D < 32 or D & (D - 1):
         return f"head_dim={D}: the drafter kernels need a power of two >= 32"

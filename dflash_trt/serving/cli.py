@@ -10,7 +10,8 @@ import click
 
 from dflash_trt.api import resolve_target_dir
 from dflash_trt.cli_shared import friendly_errors
-from dflash_trt.decoding.proposers import PROPOSERS
+from dflash_trt.decoding.options import DEFAULT_PROPOSER
+from dflash_trt.decoding.proposers import AUTO, PROPOSERS
 from dflash_trt.errors import DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.serving.client import DFlashClient
@@ -89,7 +90,7 @@ def register(main: click.Group) -> None:
     @click.option(
         "--proposer",
         default=None,
-        type=click.Choice(list(PROPOSERS)),
+        type=click.Choice([*PROPOSERS, AUTO]),
         help="Override the repository's proposer for this run (the same build; none = plain decoding, no "
         "drafts). Default: the one it was built with.",
     )
@@ -124,7 +125,7 @@ def register(main: click.Group) -> None:
             model_repo = fill_model_repo(
                 default_template_dir(),
                 out,
-                default_values(resolve_target_dir(target), drafter_dir, proposer=proposer or "dflash"),
+                default_values(resolve_target_dir(target), drafter_dir, proposer=proposer or DEFAULT_PROPOSER),
             )
         elif proposer is not None:  # a view of the built repository with the engine's proposer changed
             model_repo = override_parameter(model_repo, tempfile.mkdtemp(prefix="dflash-repo-"), "proposer", proposer)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.atomic import atomic_dir
+from dflash_trt.decoding.options import DEFAULT_PROPOSER
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.jobs import DEFAULT_MAX_QUEUE
 from dflash_trt.serving.text import read_chat_template
@@ -71,7 +72,7 @@ def default_values(
         "cpu_threads": 0,  # torch intra-op threads of the engine process; 0 = torch's default
         "draft_cutoff": 0.0,  # decoding/draft_length.py; 0 = verify every draft
         "draft_length": "block",  # block | confidence | cost: decoding/draft_length.py
-        "proposer": "dflash",  # dflash | ngram | hybrid | tree: where drafts come from (decoding/proposal.py)
+        "proposer": DEFAULT_PROPOSER,  # where drafts come from: decoding/options.py EngineOptions.proposer
         "max_queue": DEFAULT_MAX_QUEUE,  # requests waiting for admission before new ones are refused (overloaded)
         "decoupled": True,  # false: a unary engine model, so the ensemble is unary (HTTP / ModelInfer)
     }

@@ -270,7 +270,7 @@ class TritonPythonModel:
                 params.get("dtype", "auto"),
                 float(params.get("draft_cutoff", "0") or 0),
                 params.get("draft_length", "block") or "block",
-                params.get("proposer", "dflash") or "dflash",
+                params.get("proposer") or None,  # None: EngineOptions' default
             )
             # the first engine: a drafter the options do not fit (draft_length=confidence without a
             # confidence head, proposer=hybrid with a DFlash 2 drafter) fails here, at load, with the

@@ -53,9 +53,9 @@ def evaluate(
     width cut to the drafts the drafter is sure of. The top-level fields are those of the first
     configuration; "sweep" lists every one. draft_length: what the cutoffs gate ("block": the drafter's
     probabilities; "confidence": a DSpark drafter's confidence head, every cutoff then > 0). proposer:
-    where the drafts come from, "dflash" | "ngram" | "hybrid" | "tree" (decoding/engine.py PROPOSERS, which the
-    engine checks); rows carry `sources`, the steps / drafts / accepted drafts of the drafter and of the
-    copied text."""
+    where the drafts come from (decoding/options.py EngineOptions.proposer; the default dflash measures the
+    drafter alone, auto / hybrid mix copied drafts in where they pay); rows carry `sources`, the steps /
+    drafts / accepted drafts of the drafter and of the copied text."""
     cutoffs = list(dict.fromkeys(draft_cutoffs or [0.0]))
     for c in cutoffs:  # before any model loads
         length_source(draft_length, check_cutoff(c, "--draft-cutoff"), "--draft-length")
@@ -143,7 +143,7 @@ def print_eval(res: dict) -> None:
 
     rows = res.get("sweep") or [res]
     t = Table(
-        title=f"DFlash eval on {res['num_prompts']} held-out prompts "
+        title=f"DFlash eval (proposer {res.get('proposer', 'dflash')}) on {res['num_prompts']} held-out prompts "
         f"(drafter trained at block size {res.get('trained_block_size', res['block_size'])})"
     )
     for col in ("block", "cutoff", "drafts verified", "tau", "acceptance", "DFlash tok/s", "baseline tok/s", "speedup"):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from dflash_trt.decoding.draft_length import length_source
 from dflash_trt.decoding.proposers.base import Proposer
 from dflash_trt.errors import DFlashError
+from dflash_trt.families.capabilities import Capabilities, caps_of
 
 # name -> the module defining its Proposer subclass (imported when chosen)
 REGISTRY = {
@@ -30,8 +31,8 @@ REGISTRY = {
     "none": "dflash_trt.decoding.proposers.none",
 }
 PROPOSERS = tuple(REGISTRY)
-# "auto": hybrid where the drafter family gives per-draft probabilities to weigh against copies (DFlash,
-# DSpark, Domino), else dflash (DFlash 2)
+# "auto": hybrid where the drafter family's CAPS allows it (its per-draft probabilities weigh the drafter
+# against copies: DFlash, DSpark, Domino), else dflash (DFlash 2)
 AUTO = "auto"
 
 
@@ -43,11 +44,11 @@ def proposer_class(name: str) -> type[Proposer]:
     return next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "name", None) == name)
 
 
-def resolve(proposer: str, offered: tuple[str, ...]) -> str:
-    """proposer, with AUTO replaced by what this drafter family supports (offered: family.lengths)."""
+def resolve(proposer: str, caps: Capabilities) -> str:
+    """proposer, with AUTO replaced by what this drafter family supports (caps: its CAPS)."""
     if proposer != AUTO:
         return proposer
-    return "hybrid" if "probability" in offered else "dflash"
+    return "hybrid" if caps.hybrid else "dflash"
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,21 @@ class Plan:
     variable: bool  # rows may verify fewer than B-1 drafts
 
 
-def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: tuple[str, ...]) -> Plan:
+def plan(draft_length: str, cutoff: float, proposer: str, family, offered: tuple[str, ...]) -> Plan:
     """Check the combination once, at engine start (DFlashError naming the option). proposer: a registered
-    name or AUTO; label: the drafter family's name; offered: the confidence sources its propose can return
-    (family.lengths)."""
+    name or AUTO; family: the drafter family module (its CAPS says what decoding may do with it; a family
+    without CAPS is refused); offered: the confidence sources this drafter's propose can return
+    (family.lengths: a confidence head is per drafter)."""
+    caps, label = caps_of(family), family.LABEL
     source = length_source(draft_length, cutoff)
-    cls = proposer_class(resolve(proposer, offered))
+    cls = proposer_class(resolve(proposer, caps))
     cost_source = next((k for k in ("confidence", "probability") if k in offered), None)
     if source == "cost" and cost_source is None and cls.uses_drafter:
         raise DFlashError(
             f"draft_length=cost: {label} drafters give no per-draft probability to weigh against the verify "
             f"cost; use draft_length=block"
         )
-    if source == "probability" and "probability" not in offered:
+    if source == "probability" and not caps.draft_cutoff:
         raise DFlashError(
             f"draft_cutoff={cutoff}: not supported for {label} drafters (their drafts have no per-draft "
             f"probability to cut at); use draft_cutoff=0"
@@ -81,7 +84,7 @@ def plan(draft_length: str, cutoff: float, proposer: str, label: str, offered: t
             f"draft_length=confidence: this {label} drafter has no confidence head (DSpark drafters with "
             f"enable_confidence_head have one); use draft_length=block"
         )
-    cls.check(source, offered, label)
+    cls.check(source, caps, label)
     needs = frozenset()
     if cls.uses_drafter:  # the length's, the proposer's choice's, and the confidence head's for the stats
         needs = (

@@ -42,9 +42,10 @@ class Proposer:
         self.gate = PayGate(cost) if cost is not None else None
 
     @classmethod
-    def check(cls, source: str | None, offered: tuple[str, ...], label: str) -> None:
-        """Refuse, in one line (DFlashError naming the option), a draft length this proposer cannot run.
-        source: decoding/draft_length.py length_source; offered / label: the drafter family's."""
+    def check(cls, source: str | None, caps, label: str) -> None:
+        """Refuse, in one line (DFlashError naming the option), a draft length or drafter family this
+        proposer cannot run. source: decoding/draft_length.py length_source; caps / label: the drafter
+        family's CAPS (families/capabilities.py) and name."""
 
     def start(self, req, ids: list[int]) -> None:
         """A request joins with prompt ids: the copying proposers give it an index of its text and a copy

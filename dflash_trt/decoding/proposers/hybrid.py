@@ -32,9 +32,10 @@ from dflash_trt.decoding.records import MIN_MATCH, DrafterRecord
 from dflash_trt.errors import DFlashError
 
 
-def refuse_without_probability(name: str, offered: tuple[str, ...], label: str) -> None:
-    """Proposers that weigh copies against the drafter's block need its per-draft probabilities."""
-    if "probability" not in offered:
+def refuse_unless_hybrid(name: str, caps, label: str) -> None:
+    """Proposers that weigh copies against the drafter's block need its per-draft probabilities: the
+    family's CAPS.hybrid says it gives them."""
+    if not caps.hybrid:
         raise DFlashError(
             f"proposer={name}: {label} drafters give no per-draft probability to weigh against the copied "
             f"continuation; use proposer=dflash"
@@ -59,8 +60,8 @@ class HybridProposer(Proposer):
     gated = True
 
     @classmethod
-    def check(cls, source, offered, label) -> None:
-        refuse_without_probability(cls.name, offered, label)
+    def check(cls, source, caps, label) -> None:
+        refuse_unless_hybrid(cls.name, caps, label)
 
     def propose(self, batch) -> Proposal:
         B, reqs = batch.block_size, batch.reqs

@@ -21,7 +21,7 @@ class NgramProposer(Proposer):
     variable = True
 
     @classmethod
-    def check(cls, source, offered, label) -> None:
+    def check(cls, source, caps, label) -> None:
         if source not in (None, "cost"):
             raise DFlashError(
                 "proposer=ngram: draft_cutoff / draft_length=confidence act on the drafter's drafts and this "

@@ -16,7 +16,7 @@ class PlainProposer(Proposer):
     variable = True  # every row verifies 0 drafts: a width-1 pass
 
     @classmethod
-    def check(cls, source, offered, label) -> None:
+    def check(cls, source, caps, label) -> None:
         if source is not None:
             raise DFlashError(
                 "proposer=none: plain decoding verifies no drafts, so draft_cutoff / draft_length do not apply; "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dflash_trt.decoding import tree
 from dflash_trt.decoding.proposal import Proposal
 from dflash_trt.decoding.proposers.base import Proposer
-from dflash_trt.decoding.proposers.hybrid import copies_win, refuse_without_probability
+from dflash_trt.decoding.proposers.hybrid import copies_win, refuse_unless_hybrid
 from dflash_trt.decoding.records import MIN_MATCH
 from dflash_trt.decoding.verify import Verdict
 from dflash_trt.errors import DFlashError
@@ -28,13 +28,13 @@ class TreeProposer(Proposer):
     variable = True
 
     @classmethod
-    def check(cls, source, offered, label) -> None:
+    def check(cls, source, caps, label) -> None:
         if source == "cost":
             raise DFlashError(
                 "proposer=tree: draft_length=cost prices a chain verify, not a two-branch tree; use "
                 "draft_length=block or proposer=hybrid"
             )
-        refuse_without_probability(cls.name, offered, label)
+        refuse_unless_hybrid(cls.name, caps, label)
 
     def propose(self, batch) -> Proposal:
         B, reqs = batch.block_size, batch.reqs
