@@ -6,7 +6,7 @@ draft path equals SpecForge's, for every Markov head type and both alignments an
 variant; greedy generation equals SpecForge's spec_generate for drafters that accept, and the
 target's greedy (batch 3, ragged, also with draft_length="confidence"); sampled output follows the
 target (chi-square). Saves, other layouts and refusals: tests/test_reference_parity_families_checkpoints.py;
-shared helpers: tests/families_parity_common.py (re-exported here for tests/test_train_parity_*.py).
+shared helpers: tests/families_parity_common.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import fp32_tol, tiny_hf
-from families_parity_common import (  # noqa: F401  (sf_checkpoint: for tests/train_parity_common.py)
+from families_parity_common import (
     DOMINO,
     B,
     DominoDraftModel,
@@ -24,7 +24,6 @@ from families_parity_common import (  # noqa: F401  (sf_checkpoint: for tests/tr
     SFDFlash,
     dspark_fields,
     pair,
-    sf_checkpoint,
     sf_config,
     sf_load,
 )

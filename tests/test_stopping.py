@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_model_dir
-from test_serving_units import serve_one
+from serving_common import serve_one
 
 from dflash_trt.api import load_tokenizer, stop_ids
 from dflash_trt.config import SamplingParams

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 from conftest import tiny_hf
+from families_parity_common import B, SFDFlash
 from parity_common import MASK, L
-from test_reference_parity_families import B, SFDFlash
 from train_parity_common import (
     REL,
     BF16Optimizer,

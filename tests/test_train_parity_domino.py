@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_hf
+from families_parity_common import DOMINO, B, DominoDraftModel
 from parity_common import MASK, L
-from test_reference_parity_families import DOMINO, B, DominoDraftModel
 from train_parity_common import (
     batch,
     close,

@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_hf
+from families_parity_common import B, DSparkDraftModel, dspark_fields
 from parity_common import MASK, L
-from test_reference_parity_families import B, DSparkDraftModel, dspark_fields
 from train_parity_common import (
     S,
     batch,

@@ -19,8 +19,8 @@ value of its tensor, which is the bound used (REL).
 from __future__ import annotations
 
 import torch
+from families_parity_common import B, sf_checkpoint
 from parity_common import MASK, L
-from test_reference_parity_families import B, sf_checkpoint
 
 from dflash_trt.modeling.drafter import DFlashDrafter
 from dflash_trt.modeling.target import TargetModel
