@@ -42,7 +42,7 @@ from dflash_trt.config import SamplingParams, check_block_size
 from dflash_trt.contention import CpuWatch, contention_warning
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
 from dflash_trt.decoding.options import DEFAULT_PROPOSER
-from dflash_trt.decoding.proposers import AUTO, PROPOSERS
+from dflash_trt.decoding.proposers import CHOICES
 from dflash_trt.decoding.stopping import target_stop_ids
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.modeling.cpu_pack import pack_hf_model
@@ -100,8 +100,8 @@ class BenchConfig:
         for b in self.sweep_block_sizes + ([self.block_size] if self.block_size else []):
             check_block_size(b)
         length_source(self.draft_length, check_cutoff(self.draft_cutoff))
-        if self.proposer not in (*PROPOSERS, AUTO):  # the engine's values; it refuses the rest when it loads
-            raise ConfigError(f"proposer={self.proposer!r}: choose one of {', '.join((*PROPOSERS, AUTO))}")
+        if self.proposer not in CHOICES:  # the engine's values; it refuses the rest when it loads
+            raise ConfigError(f"proposer={self.proposer!r}: choose one of {', '.join(CHOICES)}")
 
 
 class BenchContext:

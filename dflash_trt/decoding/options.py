@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dflash_trt.decoding.draft_length import DRAFT_LENGTHS, check_cutoff, length_source
-from dflash_trt.decoding.proposers import AUTO, PROPOSERS
+from dflash_trt.decoding.proposers import CHOICES
 from dflash_trt.errors import ConfigError
 
 KERNELS = ("auto", "triton", "torch")
@@ -43,7 +43,7 @@ class EngineOptions:
         "drafter's block, or a plain step where neither has been paying; tree = both verified in one target "
         "pass (a tree mask), the branch with more accepted tokens kept; none = plain decoding; auto = hybrid "
         "where the drafter gives per-draft probabilities (DFlash, DSpark, Domino), else dflash. All lossless.",
-        (*PROPOSERS, AUTO),
+        CHOICES,
     )
     draft_length: str = _opt(
         "block",

@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_trt.config import load_yaml_dataclass
 from dflash_trt.decoding.draft_length import check_cutoff, length_source
 from dflash_trt.decoding.options import DEFAULT_PROPOSER
-from dflash_trt.decoding.proposers import AUTO, PROPOSERS
+from dflash_trt.decoding.proposers import CHOICES
 from dflash_trt.deploy.quantize import check_kv_cache, check_quant_target
 from dflash_trt.errors import ConfigError
 
@@ -111,9 +111,7 @@ class BuildConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         length_source(self.draft_length, check_cutoff(self.draft_cutoff))
-        self._one_of(
-            "proposer", (*PROPOSERS, AUTO)
-        )  # the engine's values (decoding/engine.py); check fits them to the drafter
+        self._one_of("proposer", CHOICES)  # the engine's values (decoding/engine.py); check fits them to the drafter
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token plus one output)")
         if self.quantized and self.calib_prompts < 1:

@@ -135,8 +135,7 @@ def propose_graphs(mode: str, drafter, drafter_kernels: str, device, capture=Non
     if mode not in ("auto", "on", "off"):
         raise DFlashError(f"cuda_graph={mode!r}: expected one of auto, on, off")
     on_gpu = torch.device(device).type == "cuda" or capture is not None
-    config = getattr(drafter, "config", None)  # test doubles have none: graphed as plain DFlash
-    family = config.family if config is not None else None
+    family = getattr(drafter, "family", None)  # test doubles have none: graphed as plain DFlash
     graphed = family is None or caps_of(family).cuda_graph  # the family's CAPS says its step is graphed
     usable = drafter_kernels == "triton" and on_gpu and graphed
     if mode == "on" and not graphed:

@@ -11,7 +11,7 @@ import click
 from dflash_trt.api import resolve_target_dir
 from dflash_trt.cli_shared import friendly_errors
 from dflash_trt.decoding.options import DEFAULT_PROPOSER
-from dflash_trt.decoding.proposers import AUTO, PROPOSERS
+from dflash_trt.decoding.proposers import CHOICES
 from dflash_trt.errors import DFlashError
 from dflash_trt.hub.drafters import resolve_drafter
 from dflash_trt.serving.client import DFlashClient
@@ -90,7 +90,7 @@ def register(main: click.Group) -> None:
     @click.option(
         "--proposer",
         default=None,
-        type=click.Choice([*PROPOSERS, AUTO]),
+        type=click.Choice(list(CHOICES)),
         help="Override the repository's proposer for this run (the same build; none = plain decoding, no "
         "drafts). Default: the one it was built with.",
     )

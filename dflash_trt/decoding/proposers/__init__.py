@@ -34,6 +34,7 @@ PROPOSERS = tuple(REGISTRY)
 # "auto": hybrid where the drafter family's CAPS allows it (its per-draft probabilities weigh the drafter
 # against copies: DFlash, DSpark, Domino), else dflash (DFlash 2)
 AUTO = "auto"
+CHOICES = (*PROPOSERS, AUTO)  # what every entry point accepts for `proposer`
 
 
 def proposer_class(name: str) -> type[Proposer]:
